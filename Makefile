@@ -1,0 +1,34 @@
+# Two entry points: `make demo` (the main job) and `make test` (the whole suite).
+# Each bootstraps .venv from nothing but python3.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-dev
+
+.PHONY: demo test lint typecheck unit bench bench-quick fuzz chaos clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev,bench]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/dp-coordinator demo $(ARGS)
+
+test: $(STAMP) lint typecheck
+	$(BIN)/coverage erase
+	$(BIN)/coverage run -m pytest $(PYTEST_ARGS)
+	$(BIN)/coverage report --include='coordinator/core/*,coordinator/protocol/*' --fail-under=95
+
+lint: $(STAMP)
+	$(BIN)/ruff check coordinator tests bench
+
+typecheck: $(STAMP)
+	$(BIN)/mypy --strict coordinator
+
+unit: $(STAMP)
+	$(BIN)/pytest tests/unit $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .coverage .hypothesis
