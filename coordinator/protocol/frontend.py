@@ -1,0 +1,239 @@
+"""The frontend protocol: this project's own, on the coordinator's `frontend` ROUTER.
+
+A frontend connects a DEALER. Every message it sends is `[header, *payload]`:
+`header` is one msgpack array whose first element names the message (a msgspec
+tagged, array-like struct); `payload` frames follow only for `Submit` and are
+passed to the engine untouched. Each reply is one frame of the same style and
+echoes the request's `call_id`, so a frontend may pipeline. The coordinator also
+sends unsolicited notices (`RequestsFailed`, `RankDrained`) with no call id.
+
+See docs/PROTOCOL.md for the prose version, with examples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Annotated, Literal
+
+import msgspec
+
+from coordinator.protocol.errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+
+# Bounds enforced at decode time: anything outside is bad input, not a bug.
+CallId = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+Rank = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+Wave = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
+ClientIndex = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
+Address = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+AdminCommand = Literal["cordon", "uncordon", "drain"]
+
+MAX_ABORT_IDS = 4096
+
+
+class _Message(msgspec.Struct, array_like=True, tag_field="kind"):
+    """Base of every frontend-protocol message (array with the tag first)."""
+
+
+# ---- frontend -> coordinator -------------------------------------------------
+
+
+class Register(_Message, tag="register"):
+    """Announce a frontend: its client index and where engines push its outputs."""
+
+    call_id: CallId
+    client_index: ClientIndex
+    output_address: Address
+    input_address: Address | None = None
+    protocol_version: int = PROTOCOL_VERSION
+
+
+class Submit(_Message, tag="submit"):
+    """Send one request to an engine; payload frames follow the header."""
+
+    call_id: CallId
+    request_id: RequestId
+    wave: Wave
+    dp_rank: Rank | None = None
+
+
+class Abort(_Message, tag="abort"):
+    """Abort requests; each goes to the engine that holds it."""
+
+    call_id: CallId
+    request_ids: Annotated[list[RequestId], msgspec.Meta(max_length=MAX_ABORT_IDS)]
+
+
+class Finished(_Message, tag="finished"):
+    """Requests the frontend saw finish; frees their routing entries. No reply."""
+
+    request_ids: Annotated[list[RequestId], msgspec.Meta(max_length=MAX_ABORT_IDS)]
+
+
+class QueryState(_Message, tag="state"):
+    """Ask for membership, loads, wave and running."""
+
+    call_id: CallId
+
+
+class Admin(_Message, tag="admin"):
+    """Operator command on one rank: cordon, uncordon or drain."""
+
+    call_id: CallId
+    command: AdminCommand
+    rank: Rank
+
+
+FrontendRequest = Register | Submit | Abort | Finished | QueryState | Admin
+
+
+# ---- coordinator -> frontend -------------------------------------------------
+
+
+class EngineStatus(msgspec.Struct, array_like=True, frozen=True):
+    """One rank as the coordinator sees it."""
+
+    rank: int
+    state: str
+    engine_id: str | None
+    waiting: int
+    running: int
+    kv_cache_usage: float
+    dispatched_since_report: int
+    in_flight: int
+    last_seen_age_s: float | None
+
+
+class GroupState(msgspec.Struct, frozen=True):
+    """A snapshot of the whole group (a map, so tools can read it by name)."""
+
+    wave: int
+    running: bool
+    lockstep: bool
+    rank_start: int
+    rank_count: int
+    frontends: int
+    in_flight: int
+    engines: list[EngineStatus]
+    counters: dict[str, int]
+    shutting_down: bool = False
+
+
+class Registered(_Message, tag="registered"):
+    call_id: int
+    client_index: int
+    rank_start: int
+    rank_count: int
+    wave: int
+    running: bool
+    lockstep: bool
+
+
+class Submitted(_Message, tag="submitted"):
+    call_id: int
+    request_id: str
+    rank: int
+    woke: bool
+
+
+class Aborted(_Message, tag="aborted"):
+    call_id: int
+    request_ids: list[str]
+
+
+class StateReply(_Message, tag="state"):
+    call_id: int
+    state: GroupState
+
+
+class AdminDone(_Message, tag="admin_done"):
+    call_id: int
+    rank: int
+    state: str
+
+
+class ErrorReply(_Message, tag="error"):
+    call_id: int
+    code: str
+    message: str
+    request_id: str | None = None
+
+
+class RequestsFailed(_Message, tag="failed"):
+    """Unsolicited: these requests were on a rank that died; they will not finish."""
+
+    request_ids: list[str]
+    rank: int
+    reason: str
+
+
+class RankDrained(_Message, tag="drained"):
+    """Unsolicited: a draining rank has no requests in flight any more."""
+
+    rank: int
+
+
+FrontendReply = (
+    Registered
+    | Submitted
+    | Aborted
+    | StateReply
+    | AdminDone
+    | ErrorReply
+    | RequestsFailed
+    | RankDrained
+)
+
+# Error codes carried in ErrorReply.code.
+ERR_BAD_FRAME = "bad_frame"
+ERR_UNKNOWN_RANK = "unknown_rank"
+ERR_RANK_NOT_READY = "rank_not_ready"
+ERR_NO_READY_ENGINE = "no_ready_engine"
+ERR_DUPLICATE_REQUEST = "duplicate_request_id"
+ERR_ENGINE_UNREACHABLE = "engine_unreachable"
+ERR_TOO_MANY_IN_FLIGHT = "too_many_in_flight"
+ERR_ADMIN_REFUSED = "admin_refused"
+ERR_SHUTTING_DOWN = "shutting_down"
+ERR_BAD_CLIENT_INDEX = "bad_client_index"
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(FrontendRequest)
+_reply_decoder = msgspec.msgpack.Decoder(FrontendReply)
+
+
+def encode(message: FrontendRequest | FrontendReply) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_request(frames: Sequence[bytes]) -> tuple[FrontendRequest, list[bytes]]:
+    """Split `[header, *payload]` into the typed header and the payload frames."""
+    if not frames:
+        raise ProtocolError("empty frontend message", reason="frame_count")
+    try:
+        header = _request_decoder.decode(frames[0])
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"bad frontend header: {exc}", reason="decode") from None
+    payload = list(frames[1:])
+    if isinstance(header, Submit):
+        if not payload:
+            raise ProtocolError("submit carries no payload frames", reason="frame_count")
+    elif payload:
+        raise ProtocolError(
+            f"{type(header).__name__.lower()} takes no payload frames, got {len(payload)}",
+            reason="frame_count",
+        )
+    return header, payload
+
+
+def decode_reply(frame: bytes) -> FrontendReply:
+    try:
+        return _reply_decoder.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"bad coordinator reply: {exc}", reason="decode") from None
+
+
+def call_id_of(message: FrontendRequest) -> int:
+    """The call id to echo in a reply (0 for messages that carry none)."""
+    return getattr(message, "call_id", 0)
