@@ -1,0 +1,536 @@
+"""Who holds each DP rank: registrations as leases, and the rules that move them.
+
+Theory of operation
+-------------------
+The coordinator serves a fixed range of global DP ranks,
+``[rank_start, rank_start + rank_count)``. Each rank is held by at most one
+*lease*: the registration of the engine process that said HELLO for it. A
+lease is kept alive by the engine's traffic; the server calls ``touch`` (or
+``greeted``) when something arrives from the rank, and ``expire(now)`` on a
+timer. A lease is *alive* while its state is not DEAD and
+``now <= last_seen + lease_ttl_s``. A lease that is not alive no longer blocks
+its rank: the next HELLO for that rank replaces it.
+
+Every registration gets an ``incarnation`` number, strictly increasing per
+rank, so that the server can tell a restarted engine from the one it replaced
+even when both use the same ZMQ identity.
+
+HELLO decides who holds a rank (``hello_verdict``):
+
+=======================  =======================  ===================================
+live holder's engine_id  new engine_id            verdict
+=======================  =======================  ===================================
+(no live holder)         anything                 take: new lease, new incarnation
+None                     None                     take: a vLLM engine restarted
+X                        X (not None)             duplicate: idempotent, renews lease
+X                        Y != X (either may be    refuse: ENGINE_ID_MISMATCH, with
+                         None, not both)          the time left on the old lease
+=======================  =======================  ===================================
+
+After HELLO, a lease moves through the states of ``RankState`` by the events
+in ``NEXT_STATE``, a plain (state, event) -> next-state table. For the
+operator commands (cordon, uncordon, drain) and READY a missing row is a
+refusal; for the liveness events (disconnect, expire) a missing row means
+there is nothing to do. DEAD has no rows: a dead lease comes back only through
+a new HELLO, which makes a new incarnation.
+
+A READY whose ``parallel_config_hash`` differs from the hash pinned by the
+group is refused and the rank is released (its lease turns DEAD): an engine
+with other parallel settings would make the collectives hang, and holding its
+rank would only block the fixed engine that the operator starts next. The
+first accepted READY that carries a hash pins it; it stays pinned while some
+other live, READY-or-later lease carries a hash, so a whole group that is
+redeployed with new settings does not need a coordinator restart. Dense and
+dp=1 engines send no hash, and a missing hash is always accepted.
+
+This module does no IO and reads no clock: callers pass ``now`` (monotonic
+seconds). Calls return what changed (``Accepted``, ``Refused``,
+``RankChanged``) and the caller acts on it. A refused call changes nothing,
+except the config-hash refusal, which releases the rank as described above.
+Leases handed out are copies; changing them does not change the membership.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from dataclasses import dataclass
+
+from coordinator.protocol.errors import RankRangeError
+from coordinator.protocol.identity import MAX_RANK
+
+__all__ = [
+    "NEXT_STATE",
+    "Accepted",
+    "EngineLease",
+    "HelloVerdict",
+    "LeaseEvent",
+    "Membership",
+    "RankChanged",
+    "RankState",
+    "RefusalReason",
+    "Refused",
+    "hello_verdict",
+    "is_alive",
+]
+
+
+class RankState(enum.Enum):
+    """Where a rank's current lease stands."""
+
+    HANDSHAKING = "handshaking"  # HELLO accepted, READY not yet
+    READY = "ready"  # in the wave and eligible for dispatch
+    DRAINING = "draining"  # in the wave, gets no new work, finishing what it has
+    CORDONED = "cordoned"  # in the wave, gets no new work, until uncordoned
+    DEAD = "dead"  # gone; only a new HELLO brings the rank back
+
+
+class LeaseEvent(enum.Enum):
+    """Events that move an existing lease (HELLO is decided by ``hello_verdict``)."""
+
+    READY = "ready"
+    CORDON = "cordon"
+    UNCORDON = "uncordon"
+    DRAIN = "drain"
+    DISCONNECT = "disconnect"
+    EXPIRE = "expire"
+
+
+_S = RankState
+_E = LeaseEvent
+
+# The whole lifecycle of a lease after HELLO. A (state, event) pair that is
+# missing here is refused (READY and operator commands) or ignored (liveness).
+NEXT_STATE: dict[tuple[RankState, LeaseEvent], RankState] = {
+    (_S.HANDSHAKING, _E.READY): _S.READY,
+    (_S.HANDSHAKING, _E.DISCONNECT): _S.DEAD,
+    (_S.HANDSHAKING, _E.EXPIRE): _S.DEAD,
+    (_S.READY, _E.CORDON): _S.CORDONED,
+    (_S.READY, _E.DRAIN): _S.DRAINING,
+    (_S.READY, _E.DISCONNECT): _S.DEAD,
+    (_S.READY, _E.EXPIRE): _S.DEAD,
+    (_S.CORDONED, _E.UNCORDON): _S.READY,
+    (_S.CORDONED, _E.DRAIN): _S.DRAINING,
+    (_S.CORDONED, _E.DISCONNECT): _S.DEAD,
+    (_S.CORDONED, _E.EXPIRE): _S.DEAD,
+    (_S.DRAINING, _E.UNCORDON): _S.READY,
+    (_S.DRAINING, _E.DISCONNECT): _S.DEAD,
+    (_S.DRAINING, _E.EXPIRE): _S.DEAD,
+}
+
+# Why an operator command is not allowed in a state, phrased as what to do instead.
+_COMMAND_HINTS: dict[tuple[RankState, LeaseEvent], str] = {
+    (_S.HANDSHAKING, _E.CORDON): "wait until the engine has sent READY",
+    (_S.HANDSHAKING, _E.DRAIN): "wait until the engine has sent READY",
+    (_S.HANDSHAKING, _E.UNCORDON): "only a cordoned or draining rank can be uncordoned",
+    (_S.READY, _E.UNCORDON): "only a cordoned or draining rank can be uncordoned",
+    (_S.CORDONED, _E.CORDON): "it is already cordoned",
+    (_S.DRAINING, _E.CORDON): (
+        "draining already keeps it out of dispatch; uncordon it to stop draining"
+    ),
+    (_S.DRAINING, _E.DRAIN): "it is already draining",
+}
+
+_COMMAND_CAUSES: dict[LeaseEvent, str] = {
+    _E.CORDON: "cordoned by operator: stays in the wave, gets no new requests",
+    _E.UNCORDON: "uncordoned by operator: back in dispatch",
+    _E.DRAIN: "draining by operator request: stays in the wave, gets no new requests",
+}
+
+# States that have passed READY: their hash (if any) belongs to the group.
+_JOINED = frozenset({_S.READY, _S.CORDONED, _S.DRAINING})
+
+
+class RefusalReason(enum.Enum):
+    """Why a call was refused; the value is a stable token for counters and logs."""
+
+    RANK_OUT_OF_RANGE = "rank_out_of_range"
+    ENGINE_ID_MISMATCH = "engine_id_mismatch"
+    OUT_OF_ORDER = "out_of_order"
+    CONFIG_HASH_MISMATCH = "config_hash_mismatch"
+    UNKNOWN_RANK = "unknown_rank"
+    INVALID_TRANSITION = "invalid_transition"
+
+
+@dataclass(kw_only=True)
+class EngineLease:
+    """One engine's registration for one rank."""
+
+    rank: int
+    engine_id: str | None
+    state: RankState
+    registered_at: float
+    last_seen: float
+    local: bool = False
+    headless: bool = False
+    dispatch_connected: bool = False
+    parallel_config_hash: str | None = None
+    incarnation: int
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A call that was not allowed; ``message`` is the user-facing text with its remedy."""
+
+    reason: RefusalReason
+    message: str
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """A HELLO or READY that was allowed. ``replaced`` is the previous lease, if any."""
+
+    lease: EngineLease
+    replaced: EngineLease | None = None
+    duplicate: bool = False
+
+
+@dataclass(frozen=True)
+class RankChanged:
+    """A lease changed state (``new`` is None when the rank left the range)."""
+
+    rank: int
+    old: RankState | None
+    new: RankState | None
+    cause: str
+
+
+class HelloVerdict(enum.Enum):
+    TAKE = "take"
+    DUPLICATE = "duplicate"
+    MISMATCH = "mismatch"
+
+
+def hello_verdict(holder: EngineLease | None, engine_id: str | None) -> HelloVerdict:
+    """What a HELLO carrying ``engine_id`` does to a rank whose live lease is ``holder``."""
+    if holder is None:
+        return HelloVerdict.TAKE
+    if holder.engine_id is None and engine_id is None:
+        # vLLM engines carry no id and say HELLO once per process: a new HELLO
+        # can only come from a new process, so it takes over.
+        return HelloVerdict.TAKE
+    if holder.engine_id == engine_id:
+        return HelloVerdict.DUPLICATE
+    return HelloVerdict.MISMATCH
+
+
+def is_alive(lease: EngineLease, now: float | None, lease_ttl_s: float) -> bool:
+    """Whether ``lease`` still holds its rank; with ``now=None`` only the state counts."""
+    if lease.state is RankState.DEAD:
+        return False
+    return now is None or now <= lease.last_seen + lease_ttl_s
+
+
+def _seconds(value: float) -> str:
+    return f"{max(value, 0.0):.1f}"
+
+
+class Membership:
+    """The leases of one coordinator's rank range, and the rules that change them."""
+
+    def __init__(self, *, rank_start: int, rank_count: int, lease_ttl_s: float) -> None:
+        if rank_start < 0 or rank_count < 0 or rank_start + rank_count - 1 > MAX_RANK:
+            raise ValueError(
+                f"rank range [{rank_start}, {rank_start + rank_count}) does not fit "
+                f"in 0..{MAX_RANK}"
+            )
+        if not (math.isfinite(lease_ttl_s) and lease_ttl_s > 0):
+            raise ValueError(f"lease_ttl_s must be a positive number, got {lease_ttl_s}")
+        self._rank_start = rank_start
+        self._rank_count = rank_count
+        self._lease_ttl_s = lease_ttl_s
+        self._group_config_hash: str | None = None
+        self._leases: dict[int, EngineLease] = {}
+        # Outlives the leases (and resizes), so incarnations never repeat per rank.
+        self._last_incarnation: dict[int, int] = {}
+
+    @property
+    def rank_start(self) -> int:
+        return self._rank_start
+
+    @property
+    def rank_count(self) -> int:
+        return self._rank_count
+
+    @property
+    def lease_ttl_s(self) -> float:
+        return self._lease_ttl_s
+
+    @property
+    def group_config_hash(self) -> str | None:
+        """The parallel-config hash the group's engines agree on, once one has been seen."""
+        return self._group_config_hash
+
+    # -- queries ---------------------------------------------------------------
+
+    def check_rank(self, rank: int) -> Refused | None:
+        """A refusal if ``rank`` lies outside this coordinator's range, else None."""
+        if self._rank_start <= rank < self._rank_start + self._rank_count:
+            return None
+        error = RankRangeError(rank, self._rank_start, self._rank_count)
+        return Refused(RefusalReason.RANK_OUT_OF_RANGE, str(error))
+
+    def lease(self, rank: int) -> EngineLease | None:
+        """A copy of the rank's current lease (possibly DEAD), or None."""
+        held = self._leases.get(rank)
+        return None if held is None else dataclasses.replace(held)
+
+    def leases(self) -> list[EngineLease]:
+        """Copies of all leases, by ascending rank."""
+        return [dataclasses.replace(self._leases[r]) for r in sorted(self._leases)]
+
+    def dispatchable(self, *, now: float | None = None) -> list[int]:
+        """Ranks that may get new requests: READY, greeted on dispatch, alive; ascending.
+
+        Without ``now`` the lease TTL is not checked (the server's ``expire``
+        timer keeps DEAD states current); with it, stale leases are left out too.
+        """
+        return [
+            rank
+            for rank in sorted(self._leases)
+            if (lease := self._leases[rank]).state is RankState.READY
+            and lease.dispatch_connected
+            and is_alive(lease, now, self._lease_ttl_s)
+        ]
+
+    def all_ready(self, *, now: float | None = None) -> bool:
+        """Whether every rank in range has a READY lease (False for an empty range)."""
+        if self._rank_count == 0:
+            return False
+        for rank in range(self._rank_start, self._rank_start + self._rank_count):
+            lease = self._leases.get(rank)
+            if lease is None or lease.state is not RankState.READY:
+                return False
+            if not is_alive(lease, now, self._lease_ttl_s):
+                return False
+        return True
+
+    # -- handshake -------------------------------------------------------------
+
+    def hello(
+        self, rank: int, *, engine_id: str | None, local: bool, headless: bool, now: float
+    ) -> Accepted | Refused:
+        """An engine asks for ``rank`` (handshake HELLO)."""
+        out_of_range = self.check_rank(rank)
+        if out_of_range is not None:
+            return out_of_range
+        previous = self._leases.get(rank)
+        holder = previous if previous is not None and self._alive(previous, now) else None
+        verdict = hello_verdict(holder, engine_id)
+        if verdict is HelloVerdict.MISMATCH and holder is not None:
+            return Refused(
+                RefusalReason.ENGINE_ID_MISMATCH,
+                self._mismatch_message(holder, engine_id, now),
+            )
+        if verdict is HelloVerdict.DUPLICATE and holder is not None:
+            holder.last_seen = now
+            return Accepted(dataclasses.replace(holder), duplicate=True)
+        incarnation = self._last_incarnation.get(rank, 0) + 1
+        self._last_incarnation[rank] = incarnation
+        fresh = EngineLease(
+            rank=rank,
+            engine_id=engine_id,
+            state=RankState.HANDSHAKING,
+            registered_at=now,
+            last_seen=now,
+            local=local,
+            headless=headless,
+            incarnation=incarnation,
+        )
+        self._leases[rank] = fresh
+        return Accepted(dataclasses.replace(fresh), replaced=previous)
+
+    def ready(
+        self, rank: int, *, parallel_config_hash: str | None, now: float
+    ) -> Accepted | Refused:
+        """The engine holding ``rank`` finished starting up (handshake READY)."""
+        out_of_range = self.check_rank(rank)
+        if out_of_range is not None:
+            return out_of_range
+        lease = self._leases.get(rank)
+        if lease is None:
+            return Refused(
+                RefusalReason.OUT_OF_ORDER,
+                f"READY from dp_rank={rank} before any HELLO: an engine must say HELLO "
+                f"and receive its INIT reply first; restart the engine so it handshakes "
+                f"from the beginning",
+            )
+        if not self._alive(lease, now):
+            if lease.state is RankState.DEAD:
+                why = f"its registration (incarnation {lease.incarnation}) is dead"
+            else:
+                age = _seconds(now - lease.last_seen)
+                why = f"its lease expired (last seen {age} s ago)"
+            return Refused(
+                RefusalReason.OUT_OF_ORDER,
+                f"READY from dp_rank={rank}, but {why}; restart the engine so it "
+                f"registers again with HELLO",
+            )
+        if (lease.state, LeaseEvent.READY) not in NEXT_STATE:
+            return Refused(
+                RefusalReason.OUT_OF_ORDER,
+                f"duplicate READY from dp_rank={rank}: the rank is already "
+                f"{lease.state.value} (incarnation {lease.incarnation}); READY is "
+                f"accepted once per HELLO",
+            )
+        group_hash = self._pinned_hash(now)
+        if (
+            parallel_config_hash is not None
+            and group_hash is not None
+            and parallel_config_hash != group_hash
+        ):
+            # The rank is released rather than kept: this engine can never join.
+            lease.state = RankState.DEAD
+            return Refused(
+                RefusalReason.CONFIG_HASH_MISMATCH,
+                f"parallel config hash mismatch for dp_rank={rank}: the group runs with "
+                f"{group_hash}, this engine has {parallel_config_hash}. Mismatched "
+                f"parallel settings make collectives hang, so dp_rank={rank} was "
+                f"refused and released; restart it with the same parallel settings as "
+                f"the other ranks",
+            )
+        if parallel_config_hash is not None:
+            self._group_config_hash = parallel_config_hash
+        lease.state = NEXT_STATE[(lease.state, LeaseEvent.READY)]
+        lease.parallel_config_hash = parallel_config_hash
+        lease.last_seen = now
+        return Accepted(dataclasses.replace(lease))
+
+    # -- liveness --------------------------------------------------------------
+
+    def greeted(self, rank: int, now: float) -> bool:
+        """The engine's greeting arrived on the dispatch socket; False if no live lease."""
+        lease = self._leases.get(rank)
+        if lease is None or not self._alive(lease, now):
+            return False
+        lease.dispatch_connected = True
+        lease.last_seen = now
+        return True
+
+    def touch(self, rank: int, now: float) -> None:
+        """Traffic from ``rank`` renews its live lease; a lease past its TTL stays expired."""
+        lease = self._leases.get(rank)
+        if lease is not None and self._alive(lease, now):
+            lease.last_seen = now
+
+    def disconnected(
+        self, rank: int, now: float, *, incarnation: int | None = None
+    ) -> list[RankChanged]:
+        """The engine holding ``rank`` is gone; its lease turns DEAD at once.
+
+        Pass ``incarnation`` when the disconnect belongs to a known registration,
+        so a late notice about a replaced engine cannot kill its successor.
+        """
+        lease = self._leases.get(rank)
+        if lease is None or (incarnation is not None and incarnation != lease.incarnation):
+            return []
+        age = _seconds(now - lease.last_seen)
+        cause = f"engine disconnected (last seen {age} s ago)"
+        return self._apply(lease, LeaseEvent.DISCONNECT, cause)
+
+    def expire(self, now: float) -> list[RankChanged]:
+        """Leases not renewed within the TTL turn DEAD."""
+        changes: list[RankChanged] = []
+        for rank in sorted(self._leases):
+            lease = self._leases[rank]
+            if lease.state is not RankState.DEAD and not self._alive(lease, now):
+                age = _seconds(now - lease.last_seen)
+                changes += self._apply(
+                    lease, LeaseEvent.EXPIRE, f"lease expired (last seen {age} s ago)"
+                )
+        return changes
+
+    # -- operator commands -----------------------------------------------------
+
+    def cordon(self, rank: int, *, now: float | None = None) -> RankChanged | Refused:
+        """Keep ``rank`` in the wave but send it no new requests, until uncordoned."""
+        return self._command(rank, LeaseEvent.CORDON, now)
+
+    def uncordon(self, rank: int, *, now: float | None = None) -> RankChanged | Refused:
+        """Return a cordoned or draining rank to dispatch."""
+        return self._command(rank, LeaseEvent.UNCORDON, now)
+
+    def drain(self, rank: int, *, now: float | None = None) -> RankChanged | Refused:
+        """Send ``rank`` no new requests; the server reports when it has none left."""
+        return self._command(rank, LeaseEvent.DRAIN, now)
+
+    # -- range -----------------------------------------------------------------
+
+    def resize(self, new_count: int) -> list[RankChanged]:
+        """Change the number of ranks; leases above the new range are dropped."""
+        if new_count < 0 or self._rank_start + new_count - 1 > MAX_RANK:
+            raise ValueError(f"cannot resize to {new_count} ranks from rank {self._rank_start}")
+        old_count = self._rank_count
+        self._rank_count = new_count
+        end = self._rank_start + new_count
+        cause = f"rank removed: group resized from {old_count} to {new_count} ranks"
+        dropped = [rank for rank in sorted(self._leases) if rank >= end]
+        changes = [RankChanged(rank, self._leases[rank].state, None, cause) for rank in dropped]
+        for rank in dropped:
+            del self._leases[rank]
+        return changes
+
+    # -- internals -------------------------------------------------------------
+
+    def _alive(self, lease: EngineLease, now: float | None) -> bool:
+        return is_alive(lease, now, self._lease_ttl_s)
+
+    def _apply(self, lease: EngineLease, event: LeaseEvent, cause: str) -> list[RankChanged]:
+        new = NEXT_STATE.get((lease.state, event))
+        if new is None:
+            return []
+        old = lease.state
+        lease.state = new
+        return [RankChanged(lease.rank, old, new, cause)]
+
+    def _pinned_hash(self, now: float) -> str | None:
+        """The group's hash, while a live lease that passed READY still carries one."""
+        for lease in self._leases.values():
+            if (
+                lease.state in _JOINED
+                and lease.parallel_config_hash is not None
+                and self._alive(lease, now)
+            ):
+                return self._group_config_hash
+        return None
+
+    def _command(self, rank: int, event: LeaseEvent, now: float | None) -> RankChanged | Refused:
+        out_of_range = self.check_rank(rank)
+        if out_of_range is not None:
+            return out_of_range
+        verb = event.value
+        lease = self._leases.get(rank)
+        if lease is None or not self._alive(lease, now):
+            if lease is None:
+                detail = "no engine has registered for it"
+            elif lease.state is RankState.DEAD:
+                detail = f"its last engine (incarnation {lease.incarnation}) is dead"
+            else:
+                detail = "its engine's lease has expired"
+            return Refused(
+                RefusalReason.UNKNOWN_RANK,
+                f"cannot {verb} dp_rank={rank}: no live engine holds it ({detail})",
+            )
+        new = NEXT_STATE.get((lease.state, event))
+        if new is None:
+            hint = _COMMAND_HINTS[(lease.state, event)]
+            return Refused(
+                RefusalReason.INVALID_TRANSITION,
+                f"cannot {verb} dp_rank={rank}: it is {lease.state.value}; {hint}",
+            )
+        old = lease.state
+        lease.state = new
+        return RankChanged(rank, old, new, _COMMAND_CAUSES[event])
+
+    def _mismatch_message(self, holder: EngineLease, engine_id: str | None, now: float) -> str:
+        rank = holder.rank
+        age = _seconds(now - holder.last_seen)
+        left = _seconds(holder.last_seen + self._lease_ttl_s - now)
+        return (
+            f"Engine ID mismatch for dp_rank={rank}: expected {holder.engine_id}, "
+            f"got {engine_id}. dp_rank={rank} is held by a live engine "
+            f"({holder.state.value}, incarnation {holder.incarnation}, last seen {age} s "
+            f"ago). Stop the old engine, or wait until its lease expires in {left} s; it "
+            f"is replaced automatically then, when this engine says HELLO again."
+        )
