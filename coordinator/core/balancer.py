@@ -1,0 +1,319 @@
+"""Per-rank load table and the policies that pick an engine for a request.
+
+Theory of operation
+-------------------
+Every engine reports `(waiting, running, kv_cache_usage)` together with the
+`(wave, step)` it had reached. `LoadTable` keeps one row per global DP rank in
+`[0, size)` and is the only place those reports land:
+
+* A report for a rank outside the table is dropped (`applied=False`); this
+  happens around elastic resizes and must never touch another row.
+* Each row remembers the last `(wave, step)` its own engine reported. A report
+  that goes backwards for the same engine is flagged stale (for logs and
+  counters) but still applied: one engine's PUSH stream is FIFO, so a step
+  mark can only move backwards when that engine's counters restarted, and its
+  newest numbers are then the truth. Reports from different engines are never
+  compared with each other for staleness, so a slightly slower rank is not
+  mistaken for an out-of-order one.
+* In lockstep mode all ranks step together, so a report for a newer step than
+  any seen before means the previous step is complete. If the table changed
+  since the last publish, the rows as they were *before* that report are kept
+  as a pending snapshot, and the next publish sends that whole-step view
+  first; the current rows follow one interval later. Dense mode has no common
+  steps and takes no snapshots.
+* Between reports the coordinator counts what it dispatched to each rank
+  (`dispatched_since_report`); the next report from that rank already
+  includes those requests, so the counter is reset when it arrives.
+
+Policies only ever see the ranks the caller says are dispatchable (dead,
+draining and cordoned ranks are filtered out before), score them with
+`load_score`, and return one rank or None.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+# Extra weight for waiting requests on an engine whose KV cache is past this
+# fraction: a queue there drains slowly because new sequences cannot be admitted.
+KV_PRESSURE_THRESHOLD = 0.5
+KV_PRESSURE_WEIGHT = 6.0
+
+Row = tuple[int, int, float]
+
+
+@dataclass
+class RankLoad:
+    """What is known about one rank's load."""
+
+    waiting: int = 0
+    running: int = 0
+    kv_cache_usage: float = 0.0
+    dispatched_since_report: int = 0
+    last_step: tuple[int, int] | None = None
+    reports: int = 0
+
+
+@dataclass(frozen=True)
+class StatsOutcome:
+    """Result of one stats report: whether it landed, was stale, or froze a snapshot."""
+
+    applied: bool
+    stale: bool
+    snapshot_taken: bool
+
+
+_DROPPED = StatsOutcome(applied=False, stale=False, snapshot_taken=False)
+
+
+def is_stale_report(last: tuple[int, int] | None, wave: int, step: int) -> bool:
+    """True if `(wave, step)` goes backwards from the same engine's previous mark.
+
+    A first report, a repeat of the same mark and any report from a later wave
+    (whatever its step, since steps restart per wave) are not stale.
+    """
+    if last is None:
+        return False
+    last_wave, last_step = last
+    if wave != last_wave:
+        return wave < last_wave
+    return step < last_step
+
+
+class LoadTable:
+    """Rows of load for global DP ranks `[0, size)`, plus the step snapshot."""
+
+    def __init__(self, size: int) -> None:
+        if size < 0:
+            raise ValueError(f"load table size must be >= 0, got {size}")
+        self._rows: list[RankLoad] = [RankLoad() for _ in range(size)]
+        self._changed = False
+        # Highest (wave, step) reported by any engine; lockstep only.
+        self._step_mark: tuple[int, int] | None = None
+        self._pending_snapshot: list[Row] | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self._rows)
+
+    @property
+    def changed(self) -> bool:
+        """True while the table holds counts that have not been published."""
+        return self._changed
+
+    @property
+    def step_mark(self) -> tuple[int, int] | None:
+        """Highest `(wave, step)` seen in lockstep reports, or None before any."""
+        return self._step_mark
+
+    @property
+    def snapshot_pending(self) -> bool:
+        return self._pending_snapshot is not None
+
+    def _has_rank(self, rank: int) -> bool:
+        return 0 <= rank < len(self._rows)
+
+    def apply_stats(
+        self,
+        rank: int,
+        *,
+        waiting: int,
+        running: int,
+        kv_cache_usage: float,
+        wave: int,
+        step: int,
+        lockstep: bool,
+    ) -> StatsOutcome:
+        """Record one engine report; see the module docstring for the rules."""
+        if not self._has_rank(rank):
+            return _DROPPED
+        row = self._rows[rank]
+        stale = is_stale_report(row.last_step, wave, step)
+        snapshot_taken = False
+        mark = (wave, step)
+        if lockstep and (self._step_mark is None or mark > self._step_mark):
+            if self._changed:
+                self._pending_snapshot = self.rows()
+                snapshot_taken = True
+            self._step_mark = mark
+        row.waiting = waiting
+        row.running = running
+        row.kv_cache_usage = kv_cache_usage
+        row.dispatched_since_report = 0
+        row.last_step = mark
+        row.reports += 1
+        self._changed = True
+        return StatsOutcome(applied=True, stale=stale, snapshot_taken=snapshot_taken)
+
+    def note_dispatched(self, rank: int, n: int = 1) -> None:
+        """Count `n` requests the coordinator sent to `rank` since its last report."""
+        if self._has_rank(rank):
+            self._rows[rank].dispatched_since_report += n
+
+    def resize(self, size: int) -> None:
+        """Grow with empty rows or truncate to `size` ranks.
+
+        A pending snapshot has the old row count and is dropped, and the table
+        is marked changed so front-ends soon see rows for every rank; a
+        front-end that manages a new rank cannot route to it without one.
+        """
+        if size < 0:
+            raise ValueError(f"load table size must be >= 0, got {size}")
+        if size == len(self._rows):
+            return
+        if size < len(self._rows):
+            del self._rows[size:]
+        else:
+            self._rows.extend(RankLoad() for _ in range(size - len(self._rows)))
+        self._pending_snapshot = None
+        self._changed = True
+
+    def rows(self) -> list[Row]:
+        """Current `(waiting, running, kv_cache_usage)` per rank, in rank order."""
+        return [(r.waiting, r.running, r.kv_cache_usage) for r in self._rows]
+
+    def load(self, rank: int) -> RankLoad:
+        """The live row for `rank` (read it, do not modify it)."""
+        if not self._has_rank(rank):
+            raise IndexError(f"rank {rank} is outside the load table [0, {len(self._rows)})")
+        return self._rows[rank]
+
+    def take_publish_rows(self) -> list[Row]:
+        """Rows for the next full publish.
+
+        A pending step snapshot goes first and leaves `changed` set, so the
+        current rows follow at the next interval; otherwise the current rows
+        are returned and `changed` is cleared.
+        """
+        snapshot = self._pending_snapshot
+        if snapshot is not None:
+            self._pending_snapshot = None
+            return snapshot
+        self._changed = False
+        return self.rows()
+
+
+def load_score(load: RankLoad) -> float:
+    """Lower is better: vLLM 0.33's engine score with in-flight work counted.
+
+    vLLM's front-end counts its own in-flight requests and bumps the waiting
+    count of the engine it just chose until the next publish arrives. Here the
+    coordinator is the single dispatcher, so the requests it sent since the
+    engine's last report are exactly the work that report does not show yet;
+    they are added to `waiting`. Waiting work is then penalised in proportion
+    to KV cache pressure above half full, since such a queue drains slowly.
+    """
+    waiting = load.waiting + load.dispatched_since_report
+    score = float(waiting + load.running)
+    if waiting > 0:
+        pressure = max(0.0, load.kv_cache_usage - KV_PRESSURE_THRESHOLD)
+        score += waiting * KV_PRESSURE_WEIGHT * pressure
+    return score
+
+
+class BalancePolicy(Protocol):
+    """Chooses one rank among `candidates` (all dispatchable) or None if there are none."""
+
+    name: str
+
+    def pick(self, table: LoadTable, candidates: Sequence[int]) -> int | None: ...
+
+
+def pick_least_loaded(table: LoadTable, candidates: Sequence[int], start: int) -> int | None:
+    """The candidate with the lowest score, scanning from position `start % len`.
+
+    Ties go to the first one scanned. Candidates without a row in the table
+    cannot be scored and are skipped.
+    """
+    count = len(candidates)
+    best: int | None = None
+    best_score = 0.0
+    for offset in range(count):
+        rank = candidates[(start + offset) % count]
+        if not table._has_rank(rank):
+            continue
+        score = load_score(table._rows[rank])
+        if best is None or score < best_score:
+            best = rank
+            best_score = score
+    return best
+
+
+class LeastLoaded:
+    """Full scan for the lowest score; the scan start rotates by one per pick.
+
+    Rotation makes equally loaded engines take turns instead of the lowest
+    rank taking every tie. `rng` is accepted so every entry of `POLICIES` is
+    built the same way; this policy needs no randomness.
+    """
+
+    name = "least-loaded"
+
+    def __init__(self, rng: random.Random | None = None, *, start: int = 0) -> None:
+        self._start = start
+
+    def pick(self, table: LoadTable, candidates: Sequence[int]) -> int | None:
+        chosen = pick_least_loaded(table, candidates, self._start)
+        if chosen is not None:
+            self._start = (self._start + 1) % len(candidates)
+        return chosen
+
+
+class PowerOfTwoChoices:
+    """Sample two distinct candidates and take the less loaded one.
+
+    Load reports are up to a publish interval old; on such information a full
+    scan sends a burst to the same apparently idle engine (herding), while the
+    best of two random choices stays close to balanced. Ties go to the sample
+    nearer a rotating start position, as in `LeastLoaded`. Randomness comes
+    only from the injected `rng`, so runs are reproducible.
+    """
+
+    name = "p2c"
+
+    def __init__(self, rng: random.Random) -> None:
+        self._rng = rng
+        self._start = 0
+
+    def pick(self, table: LoadTable, candidates: Sequence[int]) -> int | None:
+        count = len(candidates)
+        if count < 2:
+            return pick_least_loaded(table, candidates, 0)
+        first = self._rng.randrange(count)
+        second = self._rng.randrange(count - 1)
+        if second >= first:
+            second += 1
+        first_rank, second_rank = candidates[first], candidates[second]
+        if not (table._has_rank(first_rank) and table._has_rank(second_rank)):
+            # Only reachable if the caller passed ranks the table does not
+            # cover; a scan skips them reliably.
+            chosen = pick_least_loaded(table, candidates, self._start)
+        else:
+            first_score = load_score(table._rows[first_rank])
+            second_score = load_score(table._rows[second_rank])
+            if first_score == second_score:
+                # Prefer whichever position comes first scanning from the start.
+                take_first = (first - self._start) % count < (second - self._start) % count
+            else:
+                take_first = first_score < second_score
+            chosen = first_rank if take_first else second_rank
+        self._start = (self._start + 1) % count
+        return chosen
+
+
+POLICIES: dict[str, Callable[..., BalancePolicy]] = {
+    LeastLoaded.name: LeastLoaded,
+    PowerOfTwoChoices.name: PowerOfTwoChoices,
+}
+
+
+def make_policy(name: str, rng: random.Random) -> BalancePolicy:
+    """Build the policy registered under `name`; ValueError lists the known names."""
+    factory = POLICIES.get(name)
+    if factory is None:
+        known = ", ".join(sorted(POLICIES))
+        raise ValueError(f"unknown balance policy {name!r}; choose one of: {known}")
+    return factory(rng)
