@@ -265,9 +265,10 @@ class LeastLoaded:
 class PowerOfTwoChoices:
     """Sample two distinct candidates and take the less loaded one.
 
-    Load reports are up to a publish interval old; on such information a full
-    scan sends a burst to the same apparently idle engine (herding), while the
-    best of two random choices stays close to balanced. Ties go to the sample
+    Load reports lag behind the engines by up to one stats interval; on such
+    information a full scan can send a burst to the same apparently idle
+    engine (herding), while the best of two random choices stays close to
+    balanced, especially for large groups. Ties go to the sample
     nearer a rotating start position, as in `LeastLoaded`. Randomness comes
     only from the injected `rng`, so runs are reproducible.
     """
