@@ -1,0 +1,136 @@
+"""Start a coordinator process beside a frontend and wait until it is serving.
+
+    handle = launch(engines=4, frontends=1)
+    handle.addresses["frontend"]   # where to connect
+    handle.shutdown(timeout=5)
+
+The child is `python -m coordinator serve ...`; the handle knows it is up once the
+address file appears (written only after every socket is bound).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from coordinator.server.transport import SOCKET_KEYS
+
+
+class LaunchError(RuntimeError):
+    """The coordinator process did not come up."""
+
+
+@dataclass
+class CoordinatorHandle:
+    process: subprocess.Popen[bytes]
+    addresses: dict[str, str]
+    addr_file: str
+    _stderr_path: str = field(repr=False, default="")
+    _tmpdir: str | None = field(repr=False, default=None)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def is_alive(self) -> bool:
+        return self.process.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.poll()
+
+    def stderr_text(self) -> str:
+        with contextlib.suppress(OSError), open(self._stderr_path, errors="replace") as handle:
+            return handle.read()
+        return ""
+
+    def shutdown(self, timeout: float = 5.0) -> int:
+        """SIGTERM, wait up to `timeout`, then SIGKILL; returns the exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout)
+        if self._tmpdir is not None:
+            import shutil
+
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+        code = self.process.returncode
+        return int(code) if code is not None else -1
+
+    def __enter__(self) -> CoordinatorHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def launch(
+    *,
+    engines: int,
+    frontends: int = 0,
+    rank_start: int = 0,
+    host: str | None = None,
+    lockstep: bool = True,
+    addr_file: str | None = None,
+    extra_args: Sequence[str] = (),
+    timeout: float = 30.0,
+    log_level: str = "info",
+    env: dict[str, str] | None = None,
+) -> CoordinatorHandle:
+    """Spawn `python -m coordinator serve` and wait for its address file."""
+    tmpdir = None
+    if addr_file is None:
+        tmpdir = tempfile.mkdtemp(prefix="dp-coordinator-launch-")
+        addr_file = os.path.join(tmpdir, "addresses.json")
+    stderr_path = addr_file + ".stderr"
+    args = [
+        sys.executable, "-m", "coordinator", "serve",
+        "--engines", str(engines),
+        "--frontends", str(frontends),
+        "--rank-start", str(rank_start),
+        "--addr-file", addr_file,
+        "--log-level", log_level,
+    ]
+    if host is not None:
+        args += ["--host", host]
+    if not lockstep:
+        args.append("--no-wave-coordination")
+    args += list(extra_args)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(addr_file)
+    with open(stderr_path, "wb") as stderr:
+        process = subprocess.Popen(
+            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr,
+            env=env if env is not None else os.environ.copy(),
+        )
+    handle = CoordinatorHandle(process, {}, addr_file, stderr_path, tmpdir)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise LaunchError(
+                f"coordinator exited with code {process.returncode} during start-up:\n"
+                f"{handle.stderr_text()}"
+            )
+        with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
+            with open(addr_file) as fh:
+                addresses = json.load(fh)
+            if all(key in addresses for key in SOCKET_KEYS):
+                handle.addresses = {str(k): str(v) for k, v in addresses.items()}
+                return handle
+        time.sleep(0.02)
+    handle.shutdown(timeout=2.0)
+    raise LaunchError(
+        f"coordinator did not write {addr_file} within {timeout} s:\n{handle.stderr_text()}"
+    )

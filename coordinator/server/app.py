@@ -1,0 +1,773 @@
+"""The coordinator process: six sockets around the sans-IO core.
+
+Each socket has one handler that turns frames into core events and core actions
+back into frames. Rules (waves, membership, balancing, publish cadence) live in
+`coordinator.core`; this module only decodes, asks the core, and sends. Every
+send is NOBLOCK and every handler is synchronous, so nothing a peer does can
+stall the loop, and a handler's exception is logged and counted, never fatal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import shutil
+import socket
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import zmq
+
+from coordinator.core.balancer import BalancePolicy, LoadTable, make_policy
+from coordinator.core.membership import (
+    Accepted,
+    EngineLease,
+    Membership,
+    RankChanged,
+    RankState,
+    Refused,
+)
+from coordinator.core.publishing import PublishSchedule
+from coordinator.core.waves import BroadcastStartWave, PublishWave, WaveAction, WaveState
+from coordinator.protocol import frontend as fp
+from coordinator.protocol import vllm
+from coordinator.protocol.errors import ProtocolError
+from coordinator.protocol.identity import identity_to_rank, rank_to_identity
+from coordinator.server.config import ServerConfig
+from coordinator.server.transport import (
+    FrameReader,
+    RateLimitedLog,
+    bind_socket,
+    make_endpoint,
+    new_ipc_dir,
+    write_address_file,
+)
+
+log = logging.getLogger("coordinator.server")
+
+
+@dataclass
+class FrontendPeer:
+    identity: bytes
+    client_index: int
+    output_address: str
+    input_address: str | None
+
+
+@dataclass
+class InFlight:
+    rank: int
+    frontend: bytes
+
+
+def free_tcp_ports(host: str, count: int) -> list[int]:
+    """Ports free on `host` right now (for the torch DP meeting point in INIT)."""
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.bind((host, 0))
+            sockets.append(sock)
+        return [int(s.getsockname()[1]) for s in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+class CoordinatorServer:
+    """Owns the sockets and the core state of one coordinator process."""
+
+    def __init__(self, config: ServerConfig, *, clock: Callable[[], float] = time.monotonic):
+        config.validate()
+        self.config = config
+        self.clock = clock
+        self.counters: Counter[str] = Counter()
+        self.membership = Membership(
+            rank_start=config.rank_start,
+            rank_count=config.engines,
+            lease_ttl_s=config.lease_ttl_s,
+        )
+        self.waves = WaveState(lockstep=config.lockstep)
+        self.loads = LoadTable(config.rank_start + config.engines)
+        self.policy: BalancePolicy = make_policy(config.policy, random.Random())
+        self.schedule = PublishSchedule(
+            min_interval_s=config.publish_interval_s,
+            heartbeat_s=config.heartbeat_s,
+            first_publish_delay_s=config.first_publish_delay_s,
+        )
+        self.frontends: dict[int, FrontendPeer] = {}
+        self.in_flight: dict[str, InFlight] = {}
+        self.in_flight_by_rank: Counter[int] = Counter()
+        self.pending_inits: dict[int, bytes] = {}
+        self.gate_subscriptions = 0
+        self.gate_open = False
+        self.shutting_down = False
+        self.addresses: dict[str, str] = {}
+        self._ipc_dir: str | None = None
+        self._owns_ipc_dir = False
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._sockets: dict[str, zmq.Socket[bytes]] = {}
+        self._stats_dirty = asyncio.Event()
+        self._ratelog = RateLimitedLog(log, interval_s=config.log_interval_s, clock=clock)
+        self._parallel_config: dict[str, int | str | list[int]] = {}
+        self._wave_listeners: list[Callable[[WaveAction], None]] = []
+        self._publish_requested = False
+
+    # ---- setup and teardown -------------------------------------------------
+
+    def bind(self) -> dict[str, str]:
+        """Bind all six sockets, then write the address file; return the endpoints."""
+        cfg = self.config
+        if cfg.host is None:
+            if cfg.ipc_dir is not None:
+                os.makedirs(cfg.ipc_dir, exist_ok=True)
+                self._ipc_dir = cfg.ipc_dir
+            else:
+                self._ipc_dir = new_ipc_dir()
+                self._owns_ipc_dir = True
+        ipc_dir = self._ipc_dir or ""
+        self._ctx = zmq.Context()
+        limit = cfg.max_message_bytes
+        specs: list[tuple[str, int, list[tuple[int, int]]]] = [
+            ("handshake", zmq.ROUTER, [(zmq.ROUTER_MANDATORY, 1)]),
+            ("dispatch", zmq.ROUTER, [(zmq.ROUTER_MANDATORY, 1), (zmq.ROUTER_HANDOVER, 1),
+                                      (zmq.SNDHWM, 0)]),
+            ("back_output", zmq.PULL, [(zmq.RCVHWM, 0)]),
+            ("back_publish", zmq.XPUB, [(zmq.XPUB_VERBOSE, 1)]),
+            ("front_publish", zmq.XPUB, [(zmq.XPUB_VERBOSE, 1)]),
+            ("frontend", zmq.ROUTER, [(zmq.ROUTER_MANDATORY, 1), (zmq.ROUTER_HANDOVER, 1)]),
+        ]
+        try:
+            for key, kind, options in specs:
+                endpoint = make_endpoint(key, host=cfg.host, ipc_dir=ipc_dir)
+                sock, resolved = bind_socket(
+                    self._ctx, kind, endpoint, max_message_bytes=limit, options=options
+                )
+                self._sockets[key] = sock
+                self.addresses[key] = resolved
+        except zmq.ZMQError:
+            self.close()
+            raise
+        self._parallel_config = self._build_parallel_config()
+        if cfg.addr_file:
+            write_address_file(cfg.addr_file, self.addresses)
+        return dict(self.addresses)
+
+    def _build_parallel_config(self) -> dict[str, int | str | list[int]]:
+        """The torch DP meeting point every rank must share (lockstep mode only)."""
+        cfg = self.config
+        if not cfg.lockstep:
+            return {}
+        host = cfg.master_ip or cfg.host or "127.0.0.1"
+        ports = list(cfg.master_port_list)
+        if cfg.master_port is None or not ports:
+            found = free_tcp_ports(host if host not in ("0.0.0.0", "::") else "127.0.0.1", 6)
+            master_port = cfg.master_port if cfg.master_port is not None else found[0]
+            ports = ports or found[1:]
+        else:
+            master_port = cfg.master_port
+        payload: dict[str, int | str | list[int]] = {
+            "data_parallel_master_ip": host,
+            "data_parallel_master_port": master_port,
+            "_data_parallel_master_port_list": ports,
+            "data_parallel_size": cfg.rank_start + cfg.engines,
+        }
+        if cfg.coord_store_port is not None:
+            payload["_coord_store_port"] = cfg.coord_store_port
+        return payload
+
+    def close(self) -> None:
+        for sock in self._sockets.values():
+            sock.close(0)
+        self._sockets.clear()
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+        if self._ipc_dir is not None:
+            if self._owns_ipc_dir:
+                shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            else:
+                for key in self.addresses:
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(self._ipc_dir, key))
+        if self.config.addr_file:
+            with contextlib.suppress(OSError):
+                os.unlink(self.config.addr_file)
+
+    def sock(self, key: str) -> zmq.Socket[bytes]:
+        return self._sockets[key]
+
+    # ---- the loop -----------------------------------------------------------
+
+    async def serve(self, stop: asyncio.Event) -> None:
+        """Run until `stop` is set. Call `bind()` first."""
+        handlers: dict[str, Callable[[list[bytes]], None]] = {
+            "handshake": self.on_handshake,
+            "dispatch": self.on_dispatch,
+            "back_output": self.on_back_output,
+            "back_publish": self.on_back_publish,
+            "front_publish": self.on_front_upstream,
+            "frontend": self.on_frontend,
+        }
+        tasks = [
+            asyncio.ensure_future(
+                FrameReader(
+                    self._sockets[key], handler, name=key, on_error=self._handler_failed
+                ).run()
+            )
+            for key, handler in handlers.items()
+        ]
+        tasks.append(asyncio.ensure_future(self._publish_loop()))
+        tasks.append(asyncio.ensure_future(self._lease_loop()))
+        stopper = asyncio.ensure_future(stop.wait())
+        try:
+            done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task is not stopper and task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
+        finally:
+            for task in [*tasks, stopper]:
+                task.cancel()
+            await asyncio.gather(*tasks, stopper, return_exceptions=True)
+
+    def _handler_failed(self, socket_name: str, exc: BaseException) -> None:
+        self.counters[f"internal_error.{socket_name}"] += 1
+        log.error("internal error while handling a %s message", socket_name, exc_info=exc)
+
+    def _drop(self, socket_name: str, reason: str, detail: str, peer: str = "") -> None:
+        """Count and (rate-limited) log one piece of bad input; state is untouched."""
+        self.counters[f"dropped.{socket_name}.{reason}"] += 1
+        self._ratelog.log(
+            logging.WARNING,
+            f"{socket_name}:{reason}:{peer}",
+            "dropped bad input on %s%s (%s): %s",
+            socket_name,
+            f" from {peer}" if peer else "",
+            reason,
+            detail,
+        )
+
+    # ---- handshake (ROUTER, vLLM H1) ----------------------------------------
+
+    def on_handshake(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            self._drop("handshake", "frame_count", f"expected [identity, payload], got "
+                       f"{len(frames)} frames")
+            if len(frames) > 2:
+                self._handshake_error(frames[0], "expected exactly one payload frame")
+            return
+        identity, payload = frames
+        now = self.clock()
+        try:
+            rank = identity_to_rank(identity)
+        except ProtocolError as exc:
+            self._refuse_handshake(identity, exc.reason, exc.message)
+            return
+        try:
+            message = vllm.decode_handshake(payload)
+        except ProtocolError as exc:
+            self._refuse_handshake(identity, exc.reason, f"bad handshake payload from dp_rank="
+                                   f"{rank}: {exc.message}")
+            return
+        if message.status == "HELLO":
+            self._on_hello(identity, rank, message, now)
+        elif message.status == "READY":
+            self._on_ready(identity, rank, message, now)
+        else:
+            self._refuse_handshake(identity, "bad_status", f"dp_rank={rank} sent status "
+                                   f"{message.status!r}; expected HELLO or READY")
+
+    def _refuse_handshake(self, identity: bytes, reason: str, message: str) -> None:
+        self.counters[f"refused.handshake.{reason}"] += 1
+        self._ratelog.log(logging.ERROR, f"refuse:{reason}:{identity!r}",
+                          "refused engine %r: %s", identity, message)
+        self._handshake_error(identity, message)
+
+    def _handshake_error(self, identity: bytes, reason: str) -> None:
+        self._send_router("handshake", identity, vllm.encode_handshake_error(reason))
+
+    def _on_hello(self, identity: bytes, rank: int, message: vllm.HandshakeMessage,
+                  now: float) -> None:
+        result = self.membership.hello(
+            rank, engine_id=message.engine_id, local=message.local,
+            headless=message.headless, now=now,
+        )
+        if isinstance(result, Refused):
+            self._refuse_handshake(identity, result.reason.name.lower(), result.message)
+            return
+        self._note_accepted("hello", result)
+        if self.config.frontends and len(self.frontends) < self.config.frontends:
+            log.info("dp_rank=%d said HELLO; INIT waits until %d frontends registered "
+                     "(%d so far)", rank, self.config.frontends, len(self.frontends))
+            self.pending_inits[rank] = identity
+            return
+        self._send_init(rank, identity)
+
+    def _note_accepted(self, step: str, result: Accepted) -> None:
+        lease = result.lease
+        self.counters[f"handshake.{step}.accepted"] += 1
+        if result.replaced is not None:
+            self.counters["handshake.replaced"] += 1
+            log.warning("dp_rank=%d: engine %s replaces %s (previous registration %s)",
+                        lease.rank, lease.engine_id, result.replaced.engine_id,
+                        result.replaced.state.value)
+            self._fail_rank_requests(lease.rank, "the engine was replaced by a new incarnation")
+
+    def _send_init(self, rank: int, identity: bytes) -> None:
+        meta = vllm.EngineHandshakeMetadata(
+            addresses=self._engine_addresses(), parallel_config=self._parallel_config
+        )
+        if self._send_router("handshake", identity, vllm.encode_init(meta)):
+            log.info("dp_rank=%d: sent INIT", rank)
+
+    def _engine_addresses(self) -> vllm.EngineZmqAddresses:
+        inputs = [self.addresses["dispatch"]]
+        inputs += [f.input_address for _, f in sorted(self.frontends.items()) if f.input_address]
+        outputs = [f.output_address for _, f in sorted(self.frontends.items())]
+        return vllm.EngineZmqAddresses(
+            inputs=inputs,
+            outputs=outputs,
+            coordinator_input=self.addresses["back_publish"],
+            coordinator_output=self.addresses["back_output"],
+            frontend_stats_publish_address=self.addresses["front_publish"],
+        )
+
+    def _on_ready(self, identity: bytes, rank: int, message: vllm.HandshakeMessage,
+                  now: float) -> None:
+        result = self.membership.ready(
+            rank, parallel_config_hash=message.parallel_config_hash, now=now
+        )
+        if isinstance(result, Refused):
+            self._refuse_handshake(identity, result.reason.name.lower(), result.message)
+            return
+        self._note_accepted("ready", result)
+        self._send_router("handshake", identity, vllm.encode_handshake_accepted())
+        log.info("dp_rank=%d ready (engine_id=%s)", rank, result.lease.engine_id)
+
+    # ---- dispatch (ROUTER, vLLM F1): engine greetings -----------------------
+
+    def on_dispatch(self, frames: list[bytes]) -> None:
+        if len(frames) < 2:
+            self._drop("dispatch", "frame_count", f"got {len(frames)} frames")
+            return
+        identity = frames[0]
+        try:
+            rank = identity_to_rank(identity)
+        except ProtocolError as exc:
+            self._drop("dispatch", exc.reason, exc.message)
+            return
+        if self.membership.check_rank(rank) is not None:
+            self._drop("dispatch", "rank_out_of_range", f"dp_rank={rank}")
+            return
+        now = self.clock()
+        if self.membership.greeted(rank, now):
+            log.info("dp_rank=%d connected on dispatch", rank)
+            self.counters["dispatch.greetings"] += 1
+        else:
+            # Handshook with someone else (vLLM's launcher) or not at all: it can still
+            # take part in waves and stats, but we route nothing to an unknown incarnation.
+            self.counters["dispatch.unregistered_greeting"] += 1
+            self._ratelog.log(logging.INFO, f"greet:{rank}", "dp_rank=%d greeted on dispatch "
+                              "without a handshake here; it is not used for dispatch", rank)
+
+    # ---- back_output (PULL, vLLM C2): stats and wave reports ----------------
+
+    def on_back_output(self, frames: list[bytes]) -> None:
+        if len(frames) != 1:
+            self._drop("back_output", "frame_count", f"expected 1 frame, got {len(frames)}")
+            return
+        try:
+            msg = vllm.decode_engine_outputs(frames[0])
+            vllm.check_coordinator_traffic(msg)
+        except ProtocolError as exc:
+            self._drop("back_output", exc.reason, exc.message)
+            return
+        rank = msg.engine_index
+        if self.membership.check_rank(rank) is not None:
+            self._drop("back_output", "rank_out_of_range", f"engine_index={rank}")
+            return
+        now = self.clock()
+        self.membership.touch(rank, now)
+        stats = msg.scheduler_stats
+        if stats is not None:
+            was_changed = self.loads.changed
+            outcome = self.loads.apply_stats(
+                rank,
+                waiting=stats.num_waiting_reqs,
+                running=stats.num_running_reqs,
+                kv_cache_usage=stats.kv_cache_usage,
+                wave=stats.current_wave,
+                step=stats.step_counter,
+                lockstep=self.config.lockstep,
+            )
+            if outcome.stale:
+                self.counters["stats.stale"] += 1
+                self._ratelog.log(logging.INFO, f"stale:{rank}", "dp_rank=%d reported "
+                                  "(wave %d, step %d), behind its previous report; counters "
+                                  "restarted?", rank, stats.current_wave, stats.step_counter)
+            self.counters["stats.reports"] += 1
+            if not was_changed and self.loads.changed:
+                self._stats_dirty.set()
+        if msg.wave_complete is not None or msg.start_wave is not None:
+            self._apply_wave_actions(
+                self.waves.on_engine_output(rank, msg.wave_complete, msg.start_wave)
+            )
+
+    def _apply_wave_actions(self, actions: Sequence[WaveAction]) -> None:
+        for action in actions:
+            if isinstance(action, BroadcastStartWave):
+                frames = vllm.encode_start_dp_wave(action.wave, action.exclude)
+                self._send_pub("back_publish", frames)
+                self.counters["waves.start_broadcasts"] += 1
+                log.debug("START_DP_WAVE [%d, %s]", action.wave, action.exclude)
+            elif isinstance(action, PublishWave):
+                self._send_pub(
+                    "front_publish", [vllm.encode_front_publish(None, action.wave, action.running)]
+                )
+                self.counters["publish.wave"] += 1
+                log.info("wave %d %s", action.wave, "running" if action.running else "paused")
+            for listener in self._wave_listeners:
+                listener(action)
+
+    # ---- back_publish upstream (XPUB, vLLM C3): the startup gate ------------
+
+    def on_back_publish(self, frames: list[bytes]) -> None:
+        if len(frames) != 1:
+            self._drop("back_publish", "frame_count", f"got {len(frames)} frames")
+            return
+        frame = frames[0]
+        if frame == vllm.SUBSCRIBE:
+            self.gate_subscriptions += 1
+            if self.gate_open:
+                # A late or returning engine is blocked until it sees READY.
+                self._send_pub("back_publish", [vllm.READY])
+                log.info("engine subscription on back_publish after start-up; sent READY")
+            elif self.gate_subscriptions >= self.config.engines:
+                self.gate_open = True
+                self._send_pub("back_publish", [vllm.READY])
+                self.schedule.start(self.clock())
+                self._stats_dirty.set()
+                log.info("all %d engines subscribed; READY sent", self.config.engines)
+            else:
+                log.info("engine subscribed on back_publish (%d of %d)",
+                         self.gate_subscriptions, self.config.engines)
+        elif frame == vllm.UNSUBSCRIBE:
+            log.info("the last engine subscriber left back_publish")
+        else:
+            self._drop("back_publish", "unexpected_frame", f"{frame[:32]!r}")
+
+    # ---- front_publish upstream (XPUB, vLLM C1) -----------------------------
+
+    def on_front_upstream(self, frames: list[bytes]) -> None:
+        if len(frames) != 1:
+            self._drop("front_publish", "frame_count", f"got {len(frames)} frames")
+            return
+        frame = frames[0]
+        if frame[:1] == vllm.SUBSCRIBE:
+            # A new subscriber missed every earlier publish: send it a full one soon
+            # instead of leaving it blind until the next heartbeat (vLLM: up to 5 s).
+            self.counters["front.subscriptions"] += 1
+            self._publish_requested = True
+            self._stats_dirty.set()
+            return
+        if frame[:1] == vllm.UNSUBSCRIBE:
+            return
+        try:
+            message = vllm.decode_front_upstream(frame)
+        except ProtocolError as exc:
+            self._drop("front_publish", exc.reason, exc.message)
+            return
+        if isinstance(message, vllm.ScaleElasticEP):
+            self._resize(message.new_count)
+        else:
+            self._drop("front_publish", "legacy_first_request",
+                       f"[{message.engine_index}, {message.wave}] (pre-0.33 frontend wake; "
+                       "ignored in 0.33 mode)")
+
+    def _resize(self, new_total: int) -> None:
+        count = new_total - self.config.rank_start
+        if count < 1:
+            self._drop("front_publish", "bad_value", f"SCALE_ELASTIC_EP {new_total} leaves no "
+                       f"ranks above rank_start={self.config.rank_start}")
+            return
+        log.info("SCALE_ELASTIC_EP: %d -> %d engines", self.config.engines, count)
+        for change in self.membership.resize(count):
+            self._on_rank_changed(change)
+        self.loads.resize(self.config.rank_start + count)
+        self.config.engines = count
+        self.loads_changed()
+
+    def loads_changed(self) -> None:
+        self._stats_dirty.set()
+
+    # ---- frontend ROUTER (this project's protocol) --------------------------
+
+    def on_frontend(self, frames: list[bytes]) -> None:
+        if len(frames) < 2:
+            self._drop("frontend", "frame_count", f"got {len(frames)} frames")
+            return
+        identity = frames[0]
+        try:
+            message, payload = fp.decode_request(frames[1:])
+        except ProtocolError as exc:
+            self._drop("frontend", exc.reason, exc.message)
+            self._reply(identity, fp.ErrorReply(0, fp.ERR_BAD_FRAME, exc.message))
+            return
+        if isinstance(message, fp.Submit):
+            self._on_submit(identity, message, payload)
+        elif isinstance(message, fp.Finished):
+            self._on_finished(message.request_ids)
+        elif isinstance(message, fp.Register):
+            self._on_register(identity, message)
+        elif isinstance(message, fp.Abort):
+            self._on_abort(identity, message)
+        elif isinstance(message, fp.QueryState):
+            self._reply(identity, fp.StateReply(message.call_id, self.group_state()))
+        else:
+            self._on_admin(identity, message)
+
+    def _reply(self, identity: bytes, message: fp.FrontendReply) -> None:
+        self._send_router("frontend", identity, fp.encode(message))
+
+    def _on_register(self, identity: bytes, msg: fp.Register) -> None:
+        expected = self.config.frontends
+        if expected and msg.client_index >= expected:
+            self._reply(identity, fp.ErrorReply(
+                msg.call_id, fp.ERR_BAD_CLIENT_INDEX,
+                f"client_index {msg.client_index} is outside 0..{expected - 1} "
+                f"(the coordinator was started with --frontends {expected})"))
+            return
+        if msg.client_index not in self.frontends and len(self.frontends) >= max(
+            expected, self.config.max_frontends
+        ):
+            self._reply(identity, fp.ErrorReply(msg.call_id, fp.ERR_BAD_CLIENT_INDEX,
+                                                "too many frontends registered"))
+            return
+        previous = self.frontends.get(msg.client_index)
+        self.frontends[msg.client_index] = FrontendPeer(
+            identity, msg.client_index, msg.output_address, msg.input_address
+        )
+        if previous is not None and previous.identity != identity:
+            log.warning("frontend client_index=%d re-registered from a new connection",
+                        msg.client_index)
+        else:
+            log.info("frontend client_index=%d registered (outputs at %s)", msg.client_index,
+                     msg.output_address)
+        wave, running = self.waves.snapshot()
+        self._reply(identity, fp.Registered(
+            msg.call_id, msg.client_index, self.config.rank_start, self.config.engines,
+            wave, running, self.config.lockstep))
+        if self.pending_inits and len(self.frontends) >= self.config.frontends:
+            pending, self.pending_inits = self.pending_inits, {}
+            for rank, engine_identity in sorted(pending.items()):
+                self._send_init(rank, engine_identity)
+
+    def _on_submit(self, identity: bytes, msg: fp.Submit, payload: list[bytes]) -> None:
+        def refuse(code: str, text: str) -> None:
+            self.counters[f"submit.refused.{code}"] += 1
+            self._reply(identity, fp.ErrorReply(msg.call_id, code, text, msg.request_id))
+
+        if self.shutting_down:
+            refuse(fp.ERR_SHUTTING_DOWN, "the coordinator is shutting down")
+            return
+        if msg.request_id in self.in_flight:
+            refuse(fp.ERR_DUPLICATE_REQUEST, f"request {msg.request_id!r} is already in flight")
+            return
+        if len(self.in_flight) >= self.config.max_in_flight:
+            refuse(fp.ERR_TOO_MANY_IN_FLIGHT, f"{len(self.in_flight)} requests in flight "
+                   "(frontends must send 'finished' for completed requests)")
+            return
+        if msg.dp_rank is not None:
+            if self.membership.check_rank(msg.dp_rank) is not None:
+                last = self.config.rank_start + self.config.engines - 1
+                refuse(fp.ERR_UNKNOWN_RANK, f"dp_rank={msg.dp_rank} is outside "
+                       f"{self.config.rank_start}..{last}")
+                return
+            if msg.dp_rank not in self.membership.dispatchable(now=self.clock()):
+                lease = self.membership.lease(msg.dp_rank)
+                state = lease.state.value if lease else "not registered"
+                refuse(fp.ERR_RANK_NOT_READY, f"dp_rank={msg.dp_rank} cannot take requests "
+                       f"({state})")
+                return
+            chosen: int | None = msg.dp_rank
+        else:
+            chosen = self.policy.pick(self.loads, self.membership.dispatchable(now=self.clock()))
+        if chosen is None:
+            refuse(fp.ERR_NO_READY_ENGINE, "no engine is ready to take requests")
+            return
+        if not self._send_router("dispatch", rank_to_identity(chosen), vllm.ADD, *payload):
+            refuse(fp.ERR_ENGINE_UNREACHABLE, f"dp_rank={chosen} is not connected on dispatch")
+            return
+        actions = self.waves.on_first_request(chosen, msg.wave)
+        self._apply_wave_actions(actions)
+        self.loads.note_dispatched(chosen)
+        self.in_flight[msg.request_id] = InFlight(chosen, identity)
+        self.in_flight_by_rank[chosen] += 1
+        self.counters["submit.dispatched"] += 1
+        self._reply(identity, fp.Submitted(msg.call_id, msg.request_id, chosen, bool(actions)))
+
+    def _forget(self, request_id: str) -> InFlight | None:
+        entry = self.in_flight.pop(request_id, None)
+        if entry is not None:
+            self.in_flight_by_rank[entry.rank] -= 1
+            if self.in_flight_by_rank[entry.rank] <= 0:
+                del self.in_flight_by_rank[entry.rank]
+                self._maybe_drained(entry.rank)
+        return entry
+
+    def _on_finished(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._forget(request_id)
+
+    def _on_abort(self, identity: bytes, msg: fp.Abort) -> None:
+        by_rank: dict[int, list[str]] = {}
+        for request_id in msg.request_ids:
+            entry = self._forget(request_id)
+            if entry is not None:
+                by_rank.setdefault(entry.rank, []).append(request_id)
+        for rank, ids in by_rank.items():
+            self._send_router("dispatch", rank_to_identity(rank), vllm.ABORT,
+                              vllm.encode_abort(ids))
+        routed = [rid for ids in by_rank.values() for rid in ids]
+        self._reply(identity, fp.Aborted(msg.call_id, routed))
+
+    def _on_admin(self, identity: bytes, msg: fp.Admin) -> None:
+        if msg.command == "cordon":
+            result = self.membership.cordon(msg.rank)
+        elif msg.command == "uncordon":
+            result = self.membership.uncordon(msg.rank)
+        else:
+            result = self.membership.drain(msg.rank)
+        if isinstance(result, Refused):
+            self._reply(identity, fp.ErrorReply(msg.call_id, fp.ERR_ADMIN_REFUSED, result.message))
+            return
+        self._on_rank_changed(result)
+        self._reply(identity, fp.AdminDone(msg.call_id, msg.rank, str(result.new.value)
+                                           if result.new else "absent"))
+        if msg.command == "drain":
+            self._maybe_drained(msg.rank)
+
+    def _maybe_drained(self, rank: int) -> None:
+        lease = self.membership.lease(rank)
+        if lease is None or lease.state is not RankState.DRAINING:
+            return
+        if self.in_flight_by_rank.get(rank, 0) > 0:
+            return
+        log.info("dp_rank=%d drained: no requests in flight", rank)
+        notice = fp.encode(fp.RankDrained(rank))
+        for peer in list(self.frontends.values()):
+            self._send_router("frontend", peer.identity, notice)
+
+    # ---- membership changes and leases --------------------------------------
+
+    def _on_rank_changed(self, change: RankChanged) -> None:
+        log.info("dp_rank=%d: %s -> %s (%s)", change.rank,
+                 change.old.value if change.old else "absent",
+                 change.new.value if change.new else "absent", change.cause)
+        if change.new in (RankState.DEAD, None):
+            self.counters["lease.dead"] += 1
+            self._fail_rank_requests(change.rank, change.cause)
+            if self.config.lockstep:
+                log.error("dp_rank=%d is gone (%s): in lockstep mode the group cannot finish "
+                          "a wave until it is back", change.rank, change.cause)
+
+    def _fail_rank_requests(self, rank: int, reason: str) -> None:
+        failed: dict[bytes, list[str]] = {}
+        for request_id, entry in list(self.in_flight.items()):
+            if entry.rank == rank:
+                failed.setdefault(entry.frontend, []).append(request_id)
+                self._forget(request_id)
+        for frontend, ids in failed.items():
+            self.counters["requests.failed"] += len(ids)
+            self._send_router("frontend", frontend, fp.encode(fp.RequestsFailed(ids, rank,
+                                                                                reason)))
+
+    async def _lease_loop(self) -> None:
+        interval = max(0.05, min(1.0, self.config.lease_ttl_s / 4))
+        while True:
+            await asyncio.sleep(interval)
+            now = self.clock()
+            for change in self.membership.expire(now):
+                self._on_rank_changed(change)
+
+    # ---- publishing (XPUB front_publish, vLLM C1) ---------------------------
+
+    async def _publish_loop(self) -> None:
+        while True:
+            now = self.clock()
+            changed = self.loads.changed or self._publish_requested
+            if self.gate_open and self.schedule.due(now, changed=changed):
+                self.publish_full(now)
+                continue
+            if not self.gate_open:
+                self._stats_dirty.clear()
+                await self._stats_dirty.wait()
+                continue
+            if changed:
+                await asyncio.sleep(max(0.0, self.schedule.next_due(changed=True) - now))
+                continue
+            self._stats_dirty.clear()
+            timeout = max(0.0, self.schedule.next_due(changed=False) - now)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stats_dirty.wait(), timeout)
+
+    def publish_full(self, now: float) -> None:
+        rows = self.loads.take_publish_rows()
+        wave, running = self.waves.snapshot()
+        self._send_pub("front_publish", [vllm.encode_front_publish(rows, wave, running)])
+        self.schedule.published(now)
+        self._publish_requested = False
+        self.counters["publish.full"] += 1
+
+    # ---- sending ------------------------------------------------------------
+
+    def _send_router(self, key: str, identity: bytes, *frames: bytes) -> bool:
+        try:
+            self._sockets[key].send_multipart([identity, *frames], zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            self.counters[f"send_dropped.{key}.full"] += 1
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            self.counters[f"send_dropped.{key}.unreachable"] += 1
+        self._ratelog.log(logging.WARNING, f"send:{key}:{identity!r}",
+                          "could not send on %s to %r (peer gone or queue full)", key, identity)
+        return False
+
+    def _send_pub(self, key: str, frames: Sequence[bytes]) -> None:
+        self._sockets[key].send_multipart(list(frames), zmq.NOBLOCK)
+
+    # ---- state for tools ----------------------------------------------------
+
+    def group_state(self) -> fp.GroupState:
+        now = self.clock()
+        wave, running = self.waves.snapshot()
+        engines: list[fp.EngineStatus] = []
+        leases: dict[int, EngineLease] = {lease.rank: lease for lease in self.membership.leases()}
+        for rank in range(self.config.rank_start, self.config.rank_start + self.config.engines):
+            load = self.loads.load(rank)
+            lease = leases.get(rank)
+            engines.append(fp.EngineStatus(
+                rank=rank,
+                state=lease.state.value if lease else "absent",
+                engine_id=lease.engine_id if lease else None,
+                waiting=load.waiting,
+                running=load.running,
+                kv_cache_usage=load.kv_cache_usage,
+                dispatched_since_report=load.dispatched_since_report,
+                in_flight=self.in_flight_by_rank.get(rank, 0),
+                last_seen_age_s=round(now - lease.last_seen, 3) if lease else None,
+            ))
+        return fp.GroupState(
+            wave=wave, running=running, lockstep=self.config.lockstep,
+            rank_start=self.config.rank_start, rank_count=self.config.engines,
+            frontends=len(self.frontends), in_flight=len(self.in_flight), engines=engines,
+            counters=dict(self.counters), shutting_down=self.shutting_down,
+        )

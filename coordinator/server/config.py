@@ -1,0 +1,56 @@
+"""Settings of one coordinator process, with the defaults the CLI documents."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from coordinator.server.transport import DEFAULT_MAX_MESSAGE_BYTES
+
+
+@dataclass
+class ServerConfig:
+    engines: int
+    """Number of DP ranks this coordinator manages."""
+    rank_start: int = 0
+    """First global DP rank managed; ranks are [rank_start, rank_start + engines)."""
+    frontends: int = 0
+    """INIT replies wait until this many frontends registered (0: do not wait)."""
+    host: str | None = None
+    """Bind tcp://host:0 for every socket; None binds ipc in a private directory."""
+    ipc_dir: str | None = None
+    """Fixed directory for the ipc sockets (so a restart binds the same paths)."""
+    addr_file: str | None = None
+    lockstep: bool = True
+    """Wave coordination (MoE). False is dense mode: stats and balancing only."""
+    publish_interval_s: float = 0.1
+    heartbeat_s: float = 5.0
+    first_publish_delay_s: float = 0.05
+    lease_ttl_s: float = 10.0
+    policy: str = "least-loaded"
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    max_in_flight: int = 1_000_000
+    max_frontends: int = 1024
+    master_ip: str | None = None
+    """data_parallel_master_ip sent in INIT (default: the advertised host)."""
+    master_port: int | None = None
+    """data_parallel_master_port sent in INIT (default: a free port found at start-up)."""
+    master_port_list: list[int] = field(default_factory=list)
+    coord_store_port: int | None = None
+    log_interval_s: float = 5.0
+    """Minimum gap between two log lines about the same kind of bad input."""
+
+    def validate(self) -> None:
+        """Raise ValueError with a message an operator can act on."""
+        if not 1 <= self.engines <= 65536:
+            raise ValueError(f"--engines must be between 1 and 65536, got {self.engines}")
+        if self.rank_start < 0 or self.rank_start + self.engines > 65536:
+            raise ValueError(
+                f"ranks {self.rank_start}..{self.rank_start + self.engines - 1} do not fit in "
+                "a two-byte engine identity (0..65535)"
+            )
+        if self.frontends < 0:
+            raise ValueError(f"--frontends must be >= 0, got {self.frontends}")
+        if self.publish_interval_s <= 0 or self.heartbeat_s < self.publish_interval_s:
+            raise ValueError("need 0 < --publish-interval-ms <= --heartbeat-s")
+        if self.lease_ttl_s <= 0:
+            raise ValueError("--lease-ttl-s must be positive")

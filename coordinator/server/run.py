@@ -1,0 +1,93 @@
+"""Run one coordinator process: bind, serve until a signal, clean up, exit code."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+from collections.abc import Coroutine
+from typing import Any
+
+import zmq
+
+from coordinator.server.app import CoordinatorServer
+from coordinator.server.config import ServerConfig
+
+log = logging.getLogger("coordinator.server")
+
+EXIT_OK = 0
+EXIT_FATAL = 1
+EXIT_CONFIG = 2
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def run_event_loop(main: Coroutine[Any, Any, int]) -> int:
+    """Run on uvloop when it is installed, else the default loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    result: int = uvloop.run(main)
+    return result
+
+
+async def serve_until_signal(server: CoordinatorServer) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+
+    def request_stop(signame: str) -> None:
+        if not stop.is_set():
+            log.info("%s received; shutting down", signame)
+        stop.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, request_stop, signal.Signals(signum).name)
+    try:
+        await server.serve(stop)
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
+    return EXIT_OK
+
+
+def run_server(config: ServerConfig, *, print_addresses: bool = True) -> int:
+    """Bind, serve until SIGTERM/SIGINT, close; return the process exit code."""
+    try:
+        server = CoordinatorServer(config)
+    except ValueError as exc:
+        log.error("bad configuration: %s", exc)
+        return EXIT_CONFIG
+    try:
+        addresses = server.bind()
+    except (zmq.ZMQError, OSError) as exc:
+        log.error("could not bind the coordinator sockets: %s", exc)
+        return EXIT_FATAL
+    log.info(
+        "coordinator up: %d engines (ranks %d..%d), %s mode, frontends expected: %d",
+        config.engines,
+        config.rank_start,
+        config.rank_start + config.engines - 1,
+        "lockstep" if config.lockstep else "dense",
+        config.frontends,
+    )
+    for key, address in addresses.items():
+        log.info("  %-13s %s", key, address)
+    if print_addresses:
+        print(json.dumps(addresses, sort_keys=True), flush=True)
+    try:
+        return run_event_loop(serve_until_signal(server))
+    except Exception:
+        log.exception("coordinator failed")
+        return EXIT_FATAL
+    finally:
+        server.close()
+        log.info("coordinator stopped")

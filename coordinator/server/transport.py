@@ -1,0 +1,172 @@
+"""ZMQ plumbing for the server: endpoints, socket options, batched reads, logs.
+
+The server uses plain (synchronous) pyzmq sockets driven from the asyncio loop:
+reads wait on the socket's FD and then drain up to a batch with NOBLOCK, sends are
+always NOBLOCK. That avoids a future per message (the coordinator may ingest
+100k stats messages a second) and means no send can ever stall the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import zmq
+
+SOCKET_KEYS = ("handshake", "dispatch", "back_output", "back_publish", "front_publish", "frontend")
+
+# Bounds on what any peer may send us; larger messages drop the connection.
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+FrameHandler = Callable[[list[bytes]], None]
+
+
+def make_endpoint(key: str, *, host: str | None, ipc_dir: str) -> str:
+    """Where to bind socket `key`: ipc in `ipc_dir` by default, tcp port 0 with a host."""
+    if host is None:
+        return f"ipc://{os.path.join(ipc_dir, key)}"
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"tcp://{host}:0"
+
+
+def new_ipc_dir() -> str:
+    return tempfile.mkdtemp(prefix="dp-coordinator-")
+
+
+def bind_socket(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+    kind: int,
+    endpoint: str,
+    *,
+    max_message_bytes: int,
+    options: Iterable[tuple[int, int]] = (),
+) -> tuple[zmq.Socket[bytes], str]:
+    """Create, configure and bind a socket; return it with its resolved endpoint."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+    if endpoint.startswith("tcp://["):
+        sock.setsockopt(zmq.IPV6, 1)
+    for option, value in options:
+        sock.setsockopt(option, value)
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError:
+        sock.close(0)
+        raise
+    raw = sock.getsockopt(zmq.LAST_ENDPOINT)
+    resolved = raw.decode() if isinstance(raw, bytes) else str(raw)
+    return sock, resolved
+
+
+def write_address_file(path: str, addresses: dict[str, str]) -> None:
+    """Write the address file atomically so readers never see half of it."""
+    directory = os.path.dirname(os.path.abspath(path)) or "."
+    fd, tmp = tempfile.mkstemp(prefix=".addr-", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(addresses, handle, indent=2, sort_keys=True)
+            handle.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+class FrameReader:
+    """Delivers every multipart message of one socket to a handler, in batches.
+
+    The ZMQ FD only signals "something may have changed"; after it fires we drain
+    with NOBLOCK until EAGAIN or a full batch, then yield to the loop so that one
+    busy socket cannot starve the others or the publish timer.
+    """
+
+    def __init__(
+        self,
+        sock: zmq.Socket[bytes],
+        handler: FrameHandler,
+        *,
+        name: str,
+        on_error: Callable[[str, BaseException], None],
+        batch: int = 512,
+    ) -> None:
+        self._sock = sock
+        self._handler = handler
+        self._name = name
+        self._on_error = on_error
+        self._batch = batch
+        self._readable = asyncio.Event()
+        self._fd = int(sock.getsockopt(zmq.FD))
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        loop.add_reader(self._fd, self._readable.set)
+        try:
+            await self._pump()
+        finally:
+            with contextlib.suppress(Exception):
+                loop.remove_reader(self._fd)
+
+    async def _pump(self) -> None:
+        sock = self._sock
+        recv = sock.recv_multipart
+        handler = self._handler
+        while True:
+            count = 0
+            while count < self._batch:
+                try:
+                    frames = recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                count += 1
+                try:
+                    handler(frames)
+                except Exception as exc:  # a bug must not stop the socket
+                    self._on_error(self._name, exc)
+            if count == self._batch:
+                await asyncio.sleep(0)
+                continue
+            self._readable.clear()
+            if int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                continue
+            await self._readable.wait()
+
+
+@dataclass
+class RateLimitedLog:
+    """At most one log line per key per interval; says how many were suppressed."""
+
+    logger: logging.Logger
+    interval_s: float = 5.0
+    clock: Callable[[], float] = time.monotonic
+    _last: dict[str, float] = field(default_factory=dict)
+    _suppressed: dict[str, int] = field(default_factory=dict)
+    max_keys: int = 4096
+
+    def log(self, level: int, key: str, message: str, *args: object) -> None:
+        now = self.clock()
+        last = self._last.get(key)
+        if last is not None and now - last < self.interval_s:
+            self._suppressed[key] = self._suppressed.get(key, 0) + 1
+            return
+        if len(self._last) >= self.max_keys and key not in self._last:
+            # Bound memory under an attacker that varies the key: forget old keys.
+            self._last.clear()
+            self._suppressed.clear()
+        suppressed = self._suppressed.pop(key, 0)
+        self._last[key] = now
+        if suppressed:
+            message += " (%d similar messages suppressed)"
+            args = (*args, suppressed)
+        self.logger.log(level, message, *args)
