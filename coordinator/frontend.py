@@ -1,0 +1,698 @@
+"""Frontend SDK: register with the coordinator, submit and abort requests, follow state.
+
+    client = FrontendClient(addresses, client_index=0)
+    await client.start()            # bind the output PULL, connect to the coordinator
+    await client.register()
+    sub = await client.submit("req-1", [payload])     # -> Submitted(rank=..., woke=...)
+    async for done in client.finished():               # engine outputs, by request id
+        ...
+    await client.close()
+
+Sockets, all owned by one client:
+
+* a PULL bound for engine outputs (ipc in a private temp dir, or tcp on `host`
+  with a free port); its address goes to the coordinator in `Register`, and the
+  coordinator passes it to every engine in INIT;
+* a DEALER connected to the coordinator's `frontend` ROUTER, carrying this
+  project's frontend protocol (`coordinator.protocol.frontend`). Every request
+  has a fresh call id and its reply is matched by that id, so calls may run
+  concurrently; unsolicited notices (`RequestsFailed`, `RankDrained`) arrive on
+  the same socket and go to `notices()` / `on_notice`;
+* an XSUB connected to `front_publish` (subscribed with the single frame
+  `b"\\x01"`), from which the client learns `wave`, `running` and per-rank
+  `counts`. Like a vLLM frontend it drains every pending publish and keeps only
+  the newest, so a slow reader never acts on old state.
+
+Engine outputs arriving on the PULL are scanned for finished requests (vLLM's
+`finished_requests` set, and outputs whose `finish_reason` is set). Their ids are
+reported to the user and, in batches, to the coordinator with `Finished`, which
+frees the coordinator's routing entry for each.
+
+Every wait is bounded: each call takes a `timeout` (default `call_timeout_s`) and
+raises `CoordinatorTimeout` when the coordinator does not answer in time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from coordinator.protocol import frontend as fp
+from coordinator.protocol import vllm
+from coordinator.protocol.errors import ProtocolError
+
+__all__ = [
+    "AdminError",
+    "CoordinatorTimeout",
+    "EngineDead",
+    "FinishedRequest",
+    "FrontendClient",
+    "FrontendClosed",
+    "FrontendError",
+    "Notice",
+    "RegisterError",
+    "ReplyError",
+    "SubmitError",
+]
+
+log = logging.getLogger("coordinator.frontend")
+
+# Ids per Finished message: the protocol's bound on one list.
+_FINISHED_BATCH = fp.MAX_ABORT_IDS
+# Position of `finish_reason` in vLLM's array-encoded EngineCoreOutput.
+_FINISH_REASON_INDEX = 5
+
+
+class FrontendError(Exception):
+    """Base class of every error the SDK raises."""
+
+
+class FrontendClosed(FrontendError):
+    """The client was closed while a call was waiting (or before it started)."""
+
+
+class CoordinatorTimeout(FrontendError, TimeoutError):
+    """The coordinator did not answer within the call's timeout."""
+
+    def __init__(self, what: str, timeout_s: float) -> None:
+        super().__init__(f"no answer from the coordinator to {what} within {timeout_s:g} s")
+        self.what = what
+        self.timeout_s = timeout_s
+
+
+class ReplyError(FrontendError):
+    """The coordinator answered a call with an ErrorReply."""
+
+    def __init__(self, code: str, message: str, request_id: str | None = None) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+
+class RegisterError(ReplyError):
+    """Register was refused (e.g. `bad_client_index`)."""
+
+
+class SubmitError(ReplyError):
+    """Submit was refused (e.g. `unknown_rank`, `duplicate_request_id`)."""
+
+
+class AdminError(ReplyError):
+    """An admin command, state query or abort was refused."""
+
+
+@dataclass(frozen=True)
+class FinishedRequest:
+    """One request an engine reported finished, as seen on this client's PULL."""
+
+    request_id: str
+    engine_index: int
+    at: float
+    """`time.monotonic()` when the output was read."""
+
+
+@dataclass(frozen=True)
+class EngineDead:
+    """An engine sent ENGINE_CORE_DEAD to this frontend's output socket."""
+
+    at: float
+
+
+Notice = fp.RequestsFailed | fp.RankDrained | fp.ErrorReply | EngineDead
+"""Something the coordinator or an engine told us without being asked.
+
+An `ErrorReply` here has call id 0 (or an id no call waits for): the coordinator
+could not read one of our messages, so it could not say which call it was."""
+
+_T = TypeVar("_T")
+
+
+def _is_ipv6_tcp(address: str) -> bool:
+    return address.startswith("tcp://[")
+
+
+def finished_ids(message: vllm.EngineCoreOutputs) -> list[str]:
+    """Request ids an EngineCoreOutputs reports finished, in order, without repeats."""
+    seen: dict[str, None] = {}
+    for output in message.outputs:
+        if (
+            isinstance(output, (list, tuple))
+            and len(output) > _FINISH_REASON_INDEX
+            and output[_FINISH_REASON_INDEX] is not None
+            and isinstance(output[0], str)
+        ):
+            seen[output[0]] = None
+    for request_id in message.finished_requests or ():
+        seen[request_id] = None
+    return list(seen)
+
+
+class FrontendClient:
+    """One frontend's connection to a coordinator (one asyncio loop, not thread-safe).
+
+    Parameters:
+        addresses: the coordinator's address map (keys `frontend`, `front_publish`;
+            the JSON of its address file).
+        client_index: this frontend's index; engines push its outputs to
+            `outputs[client_index]` of INIT.
+        host: bind the output PULL on `tcp://host:<free port>`; None binds ipc in a
+            private temp directory (`ipc_dir` to choose the directory).
+        call_timeout_s: default bound on every call.
+        finished_flush_s: `Finished` batches go out at most this long after the
+            first id of the batch was seen.
+        on_finished: called for every finished request; when None, finished
+            requests queue up for `finished()` (at most `max_queued` of them).
+        on_notice: called for every unsolicited notice; when None they queue up
+            for `notices()`.
+        on_publish: called after each publish was applied, with the client.
+        context: a zmq.asyncio.Context to share; by default the client owns one.
+    """
+
+    def __init__(
+        self,
+        addresses: Mapping[str, str],
+        *,
+        client_index: int = 0,
+        host: str | None = None,
+        ipc_dir: str | None = None,
+        call_timeout_s: float = 5.0,
+        finished_flush_s: float = 0.01,
+        on_finished: Callable[[FinishedRequest], None] | None = None,
+        on_notice: Callable[[Notice], None] | None = None,
+        on_publish: Callable[[FrontendClient], None] | None = None,
+        max_queued: int = 1 << 20,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        missing = [key for key in ("frontend", "front_publish") if key not in addresses]
+        if missing:
+            raise ValueError(f"coordinator addresses lack {', '.join(missing)}")
+        self.frontend_address = addresses["frontend"]
+        self.publish_address = addresses["front_publish"]
+        self.client_index = client_index
+        self.host = host
+        self.call_timeout_s = call_timeout_s
+        self.finished_flush_s = finished_flush_s
+        self.on_finished = on_finished
+        self.on_notice = on_notice
+        self.on_publish = on_publish
+
+        self._owns_context = context is None
+        self._ctx = context if context is not None else zmq.asyncio.Context()
+        self._ipc_dir = ipc_dir
+        self._owns_ipc_dir = False
+
+        self.output_address = ""
+        #: What Registered said; None before `register()` succeeded.
+        self.registered: fp.Registered | None = None
+        #: Request ids submitted by this client and not yet finished/aborted/failed -> rank.
+        self.in_flight: dict[str, int] = {}
+        #: Event counts: publishes, bad input by reason, finished, notices, ...
+        self.stats: Counter[str] = Counter()
+
+        self._wave = 0
+        self._running = False
+        self._counts: list[tuple[int, int, float]] | None = None
+        self._publish_seen = asyncio.Event()
+
+        self._dealer: zmq.asyncio.Socket | None = None
+        self._pull: zmq.asyncio.Socket | None = None
+        self._sub: zmq.asyncio.Socket | None = None
+        self._pending: dict[int, asyncio.Future[fp.FrontendReply]] = {}
+        self._call_ids = itertools.count(1)
+        self._finished_q: asyncio.Queue[FinishedRequest] = asyncio.Queue(max_queued)
+        self._notice_q: asyncio.Queue[Notice] = asyncio.Queue(max_queued)
+        self._to_report: list[str] = []
+        self._report_due = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._started = False
+        self._closed = False
+
+    # ------------------------------------------------------------ state
+
+    @property
+    def wave(self) -> int:
+        """The newest wave number the coordinator published (stamped on submits)."""
+        return self._wave
+
+    @property
+    def running(self) -> bool:
+        """Whether the coordinator last said the group is running a wave."""
+        return self._running
+
+    @property
+    def counts(self) -> list[tuple[int, int, float]] | None:
+        """Per-rank `(waiting, running, kv_cache_usage)` from the last full publish."""
+        return self._counts
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Bind the output socket and connect to the coordinator (no messages yet)."""
+        if self._closed:
+            raise FrontendClosed("the client is closed")
+        if self._started:
+            return
+        try:
+            self._open_sockets()
+        except BaseException:
+            await self.close()
+            raise
+        self._started = True
+        self._spawn(self._dealer_loop(), "dealer")
+        self._spawn(self._pull_loop(), "outputs")
+        self._spawn(self._publish_loop(), "publishes")
+        self._spawn(self._report_loop(), "finished")
+
+    def _open_sockets(self) -> None:
+        pull = self._ctx.socket(zmq.PULL)
+        self._pull = pull
+        pull.setsockopt(zmq.LINGER, 0)
+        pull.setsockopt(zmq.RCVHWM, 0)
+        if self.host is None:
+            if self._ipc_dir is None:
+                self._ipc_dir = tempfile.mkdtemp(prefix="dp-frontend-")
+                self._owns_ipc_dir = True
+            endpoint = f"ipc://{os.path.join(self._ipc_dir, f'outputs-{self.client_index}')}"
+        else:
+            host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") \
+                else self.host
+            endpoint = f"tcp://{host}:0"
+            if _is_ipv6_tcp(endpoint):
+                pull.setsockopt(zmq.IPV6, 1)
+        pull.bind(endpoint)
+        raw = pull.getsockopt(zmq.LAST_ENDPOINT)
+        self.output_address = raw.decode() if isinstance(raw, bytes) else str(raw)
+
+        dealer = self._ctx.socket(zmq.DEALER)
+        self._dealer = dealer
+        dealer.setsockopt(zmq.LINGER, 0)
+        if _is_ipv6_tcp(self.frontend_address):
+            dealer.setsockopt(zmq.IPV6, 1)
+        dealer.connect(self.frontend_address)
+
+        sub = self._ctx.socket(zmq.XSUB)
+        self._sub = sub
+        sub.setsockopt(zmq.LINGER, 0)
+        if _is_ipv6_tcp(self.publish_address):
+            sub.setsockopt(zmq.IPV6, 1)
+        sub.connect(self.publish_address)
+
+    async def close(self, timeout: float = 1.0) -> None:
+        """Report pending finished ids (best effort), stop, close every socket."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._dealer is not None and self._to_report:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._flush_finished(), timeout)
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(FrontendClosed("the client was closed"))
+        self._pending.clear()
+        for sock in (self._dealer, self._pull, self._sub):
+            if sock is not None:
+                sock.close(linger=0)
+        self._dealer = self._pull = self._sub = None
+        if self._owns_context:
+            self._ctx.term()
+        if self._owns_ipc_dir and self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+    async def __aenter__(self) -> FrontendClient:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task = asyncio.ensure_future(coro)
+        task.set_name(f"frontend-{self.client_index}-{name}")
+        self._tasks.append(task)
+
+    # ------------------------------------------------------------ calls
+
+    async def register(self, *, timeout: float | None = None) -> fp.Registered:
+        """Register this frontend (client index and output address); starts the client."""
+        await self.start()
+        reply = await self._call(
+            lambda call_id: [fp.encode(fp.Register(call_id, self.client_index,
+                                                   self.output_address))],
+            "register", timeout, RegisterError,
+        )
+        registered = _expect(reply, fp.Registered, "register")
+        self.registered = registered
+        if self.stats["publishes"] == 0:
+            self._wave, self._running = registered.wave, registered.running
+        return registered
+
+    async def submit(
+        self,
+        request_id: str,
+        payload_frames: Sequence[bytes],
+        *,
+        dp_rank: int | None = None,
+        wave: int | None = None,
+        timeout: float | None = None,
+    ) -> fp.Submitted:
+        """Send one request (payload frames go to the engine untouched).
+
+        The header carries `wave` (by default the newest published wave), which the
+        coordinator uses to tell a stale first request from a current one.
+        Raises SubmitError with the coordinator's code when it refuses.
+        """
+        if not payload_frames:
+            raise ValueError("submit needs at least one payload frame")
+        stamped = self._wave if wave is None else wave
+        frames = list(payload_frames)
+        reply = await self._call(
+            lambda call_id: [fp.encode(fp.Submit(call_id, request_id, stamped, dp_rank)),
+                             *frames],
+            f"submit {request_id!r}", timeout, SubmitError,
+        )
+        submitted = _expect(reply, fp.Submitted, "submit")
+        self.in_flight[submitted.request_id] = submitted.rank
+        self.stats["submitted"] += 1
+        if submitted.woke:
+            self.stats["submits_that_woke"] += 1
+        return submitted
+
+    async def abort(self, request_ids: Sequence[str], *,
+                    timeout: float | None = None) -> list[str]:
+        """Abort requests; returns the ids the coordinator routed to an engine."""
+        routed: list[str] = []
+        ids = list(request_ids)
+        for start in range(0, max(1, len(ids)), fp.MAX_ABORT_IDS):
+            chunk = ids[start:start + fp.MAX_ABORT_IDS]
+            reply = await self._call(_abort_builder(chunk), "abort", timeout, AdminError)
+            routed += _expect(reply, fp.Aborted, "abort").request_ids
+            for request_id in chunk:
+                self.in_flight.pop(request_id, None)
+        return routed
+
+    async def query_state(self, *, timeout: float | None = None) -> fp.GroupState:
+        """The coordinator's view of the group: membership, loads, wave, counters."""
+        reply = await self._call(
+            lambda call_id: [fp.encode(fp.QueryState(call_id))], "state query", timeout,
+            AdminError,
+        )
+        return _expect(reply, fp.StateReply, "state query").state
+
+    async def admin(self, command: fp.AdminCommand, rank: int, *,
+                    timeout: float | None = None) -> fp.AdminDone:
+        """Cordon, uncordon or drain one rank; raises AdminError when refused."""
+        reply = await self._call(
+            lambda call_id: [fp.encode(fp.Admin(call_id, command, rank))],
+            f"admin {command} {rank}", timeout, AdminError,
+        )
+        return _expect(reply, fp.AdminDone, "admin")
+
+    async def _call(
+        self,
+        build: Callable[[int], list[bytes]],
+        what: str,
+        timeout: float | None,
+        error: type[ReplyError],
+    ) -> fp.FrontendReply:
+        if self._closed:
+            raise FrontendClosed("the client is closed")
+        if not self._started:
+            await self.start()
+        dealer = self._dealer
+        if dealer is None:
+            raise FrontendClosed("the client is closed")
+        limit = self.call_timeout_s if timeout is None else timeout
+        call_id = next(self._call_ids)
+        future: asyncio.Future[fp.FrontendReply] = asyncio.get_running_loop().create_future()
+        self._pending[call_id] = future
+        deadline = time.monotonic() + limit
+        try:
+            try:
+                await asyncio.wait_for(dealer.send_multipart(build(call_id)), limit)
+                reply = await asyncio.wait_for(future, max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                self.stats["timeouts"] += 1
+                raise CoordinatorTimeout(what, limit) from None
+        finally:
+            self._pending.pop(call_id, None)
+        if isinstance(reply, fp.ErrorReply):
+            raise error(reply.code, reply.message, reply.request_id)
+        return reply
+
+    # ------------------------------------------------------------ waiting for state
+
+    async def wait_for(self, predicate: Callable[[FrontendClient], bool], *,
+                       timeout: float | None = None) -> None:
+        """Wait until `predicate(self)` holds after some publish (or already holds)."""
+        limit = self.call_timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        while not predicate(self):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise CoordinatorTimeout("a publish matching the condition", limit)
+            self._publish_seen.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._publish_seen.wait(), remaining)
+
+    # ------------------------------------------------------------ finished and notices
+
+    async def finished(self, *, idle_timeout: float | None = None
+                       ) -> AsyncIterator[FinishedRequest]:
+        """Finished requests as they arrive (only when no `on_finished` callback is set).
+
+        Ends when the client closes, or after `idle_timeout` seconds with nothing new.
+        """
+        async for item in self._drain(self._finished_q, idle_timeout):
+            yield item
+
+    async def notices(self, *, idle_timeout: float | None = None) -> AsyncIterator[Notice]:
+        """Unsolicited notices (only when no `on_notice` callback is set)."""
+        async for item in self._drain(self._notice_q, idle_timeout):
+            yield item
+
+    def notices_nowait(self) -> list[Notice]:
+        """Every queued notice, without waiting."""
+        return _take_all(self._notice_q)
+
+    def finished_nowait(self) -> list[FinishedRequest]:
+        """Every queued finished request, without waiting."""
+        return _take_all(self._finished_q)
+
+    async def _drain(self, queue: asyncio.Queue[_T], idle_timeout: float | None
+                     ) -> AsyncIterator[_T]:
+        while not self._closed:
+            try:
+                if idle_timeout is None:
+                    # Wake up now and then to notice close().
+                    item = await asyncio.wait_for(queue.get(), 0.5)
+                else:
+                    item = await asyncio.wait_for(queue.get(), idle_timeout)
+            except asyncio.TimeoutError:
+                if idle_timeout is None:
+                    continue
+                return
+            yield item
+
+    def _notice(self, notice: Notice) -> None:
+        self.stats[f"notice.{type(notice).__name__}"] += 1
+        if self.on_notice is not None:
+            try:
+                self.on_notice(notice)
+            except Exception:
+                log.exception("on_notice callback failed")
+            return
+        _put(self._notice_q, notice, self.stats, "notices_dropped")
+
+    # ------------------------------------------------------------ readers
+
+    async def _dealer_loop(self) -> None:
+        dealer = self._dealer
+        if dealer is None:
+            return
+        while True:
+            frames = await dealer.recv_multipart()
+            if len(frames) != 1:
+                self.stats["bad_reply.frame_count"] += 1
+                continue
+            try:
+                reply = fp.decode_reply(frames[0])
+            except ProtocolError as exc:
+                self.stats[f"bad_reply.{exc.reason}"] += 1
+                log.warning("frontend %d: unreadable coordinator reply: %s",
+                            self.client_index, exc)
+                continue
+            self._on_reply(reply)
+
+    def _on_reply(self, reply: fp.FrontendReply) -> None:
+        if isinstance(reply, fp.RequestsFailed):
+            for request_id in reply.request_ids:
+                self.in_flight.pop(request_id, None)
+            self.stats["requests_failed"] += len(reply.request_ids)
+            self._notice(reply)
+            return
+        if isinstance(reply, fp.RankDrained):
+            self._notice(reply)
+            return
+        future = self._pending.get(reply.call_id)
+        if future is None:
+            if isinstance(reply, fp.ErrorReply):
+                # Call id 0: the coordinator could not read one of our messages.
+                self._notice(reply)
+            else:
+                self.stats["late_replies"] += 1
+            return
+        if not future.done():
+            future.set_result(reply)
+
+    async def _pull_loop(self) -> None:
+        pull = self._pull
+        if pull is None:
+            return
+        while True:
+            frames = await pull.recv_multipart(copy=True)
+            now = time.monotonic()
+            head = frames[0]
+            if head == vllm.ENGINE_CORE_DEAD:
+                self._notice(EngineDead(now))
+                continue
+            try:
+                message = vllm.decode_engine_outputs(head)
+            except ProtocolError as exc:
+                self.stats[f"bad_output.{exc.reason}"] += 1
+                continue
+            self.stats["outputs"] += 1
+            ids = finished_ids(message)
+            if not ids:
+                continue
+            for request_id in ids:
+                self.in_flight.pop(request_id, None)
+                self._finish(FinishedRequest(request_id, message.engine_index, now))
+            self._to_report += ids
+            self._report_due.set()
+
+    def _finish(self, item: FinishedRequest) -> None:
+        self.stats["finished"] += 1
+        if self.on_finished is not None:
+            try:
+                self.on_finished(item)
+            except Exception:
+                log.exception("on_finished callback failed")
+            return
+        _put(self._finished_q, item, self.stats, "finished_dropped")
+
+    async def _report_loop(self) -> None:
+        while True:
+            await self._report_due.wait()
+            # Let more finishes join this batch (one message, not one per request).
+            await asyncio.sleep(self.finished_flush_s)
+            self._report_due.clear()
+            await self._flush_finished()
+
+    async def _flush_finished(self) -> None:
+        dealer = self._dealer
+        while self._to_report and dealer is not None:
+            batch = self._to_report[:_FINISHED_BATCH]
+            del self._to_report[:_FINISHED_BATCH]
+            await dealer.send_multipart([fp.encode(fp.Finished(batch))])
+            self.stats["finished_reported"] += len(batch)
+
+    async def _publish_loop(self) -> None:
+        sub = self._sub
+        if sub is None:
+            return
+        await sub.send(vllm.SUBSCRIBE)
+        while True:
+            newest = await sub.recv_multipart()
+            # Keep only the newest publish: older ones describe a past state.
+            while True:
+                try:
+                    newest = await sub.recv_multipart(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self.stats["publishes_skipped"] += 1
+            self._apply_publish(newest)
+
+    def _apply_publish(self, frames: list[bytes]) -> None:
+        if len(frames) != 1:
+            self.stats["bad_publish.frame_count"] += 1
+            return
+        try:
+            publish = vllm.decode_front_publish(frames[0])
+        except ProtocolError as exc:
+            self.stats[f"bad_publish.{exc.reason}"] += 1
+            return
+        self.stats["publishes"] += 1
+        self._wave = publish.wave
+        self._running = publish.running
+        if publish.counts is not None:
+            self._counts = [(int(r[0]), int(r[1]), float(r[2]) if len(r) > 2 else 0.0)
+                            for r in publish.counts]
+            self.stats["publishes_full"] += 1
+        self._publish_seen.set()
+        if self.on_publish is not None:
+            try:
+                self.on_publish(self)
+            except Exception:
+                log.exception("on_publish callback failed")
+
+
+def _abort_builder(request_ids: list[str]) -> Callable[[int], list[bytes]]:
+    def build(call_id: int) -> list[bytes]:
+        return [fp.encode(fp.Abort(call_id, request_ids))]
+
+    return build
+
+
+def _expect(reply: fp.FrontendReply, kind: type[_T], what: str) -> _T:
+    if not isinstance(reply, kind):
+        raise FrontendError(f"{what}: the coordinator answered with {type(reply).__name__}")
+    return reply
+
+
+def _put(queue: asyncio.Queue[_T], item: _T, stats: Counter[str], key: str) -> None:
+    try:
+        queue.put_nowait(item)
+    except asyncio.QueueFull:
+        stats[key] += 1
+
+
+def _take_all(queue: asyncio.Queue[_T]) -> list[_T]:
+    items: list[_T] = []
+    while True:
+        try:
+            items.append(queue.get_nowait())
+        except asyncio.QueueEmpty:
+            return items
+
+
+def group_state_to_builtins(state: fp.GroupState) -> dict[str, Any]:
+    """The state as plain JSON-ready data, engines as maps keyed by field name."""
+    data: dict[str, Any] = msgspec.to_builtins(state)
+    fields = fp.EngineStatus.__struct_fields__
+    data["engines"] = [dict(zip(fields, row, strict=True)) for row in data["engines"]]
+    return data
