@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import zmq
 
+import coordinator.protocol.vllm as vllm
 from coordinator.core.balancer import BalancePolicy, LoadTable, make_policy
 from coordinator.core.membership import (
     Accepted,
@@ -35,7 +36,6 @@ from coordinator.core.membership import (
 from coordinator.core.publishing import PublishSchedule
 from coordinator.core.waves import BroadcastStartWave, PublishWave, WaveAction, WaveState
 from coordinator.protocol import frontend as fp
-from coordinator.protocol import vllm
 from coordinator.protocol.errors import ProtocolError
 from coordinator.protocol.identity import identity_to_rank, rank_to_identity
 from coordinator.server.config import ServerConfig
@@ -290,7 +290,8 @@ class CoordinatorServer:
         self._handshake_error(identity, message)
 
     def _handshake_error(self, identity: bytes, reason: str) -> None:
-        self._send_router("handshake", identity, vllm.encode_handshake_error(reason))
+        reply = vllm.encode_handshake_reply(vllm.HandshakeError(reason=reason))
+        self._send_router("handshake", identity, reply)
 
     def _on_hello(self, identity: bytes, rank: int, message: vllm.HandshakeMessage,
                   now: float) -> None:
@@ -347,7 +348,8 @@ class CoordinatorServer:
             self._refuse_handshake(identity, result.reason.name.lower(), result.message)
             return
         self._note_accepted("ready", result)
-        self._send_router("handshake", identity, vllm.encode_handshake_accepted())
+        reply = vllm.encode_handshake_reply(vllm.HandshakeAccepted())
+        self._send_router("handshake", identity, reply)
         log.info("dp_rank=%d ready (engine_id=%s)", rank, result.lease.engine_id)
 
     # ---- dispatch (ROUTER, vLLM F1): engine greetings -----------------------
@@ -383,7 +385,7 @@ class CoordinatorServer:
             self._drop("back_output", "frame_count", f"expected 1 frame, got {len(frames)}")
             return
         try:
-            msg = vllm.decode_engine_outputs(frames[0])
+            msg = vllm.decode_engine_report(frames[0])
             vllm.check_coordinator_traffic(msg)
         except ProtocolError as exc:
             self._drop("back_output", exc.reason, exc.message)
