@@ -1,0 +1,737 @@
+"""Engine-side agent: the sockets a vLLM 0.33 DP engine opens, driven from asyncio.
+
+`EngineAgent` does, byte for byte, what a vLLM 0.33 engine does on its ZeroMQ
+sockets, so anything written on top of it (the simulated engines in
+`coordinator.sim`, or a real engine loop) looks like a vLLM engine to the
+coordinator and to frontends.
+
+Startup, in the order a vLLM engine does it:
+
+1. A DEALER whose identity is the rank as two little-endian bytes connects to
+   the handshake address and sends HELLO (`{"status": "HELLO", "local": ...,
+   "headless": ...}`; unless `vllm_shaped`, also `engine_id` and
+   `protocol_version`).
+2. The reply is the INIT map (addresses and `parallel_config`), or an ERROR map,
+   which raises `EngineRefused`.
+3. A DEALER with the same identity connects to every `inputs` address, an XSUB
+   connects to `coordinator_input` and subscribes with the single frame
+   `b"\\x01"`, and the ready greeting (`EngineReadyResponse`) goes out on every
+   input DEALER: that greeting is what lets a ROUTER learn the engine's identity.
+4. The agent waits for `b"READY"` on the XSUB: the coordinator sends it once
+   every rank of the group has subscribed. A timeout raises
+   `EngineStartupTimeout`.
+5. READY goes out on the handshake socket (with `parallel_config_hash` when one
+   is configured). Unless `vllm_shaped`, the agent then waits for
+   `{"status": "ACCEPTED"}`; an ERROR reply raises `EngineRefused`. Stock vLLM
+   engines never read a reply to READY, which is why the wait is optional.
+
+PUSH sockets connect to `coordinator_output` (stats and wave messages) and to
+every `outputs` entry (per-frontend outputs, by client index).
+
+After startup, requests arrive on every input DEALER and, for START_DP_WAVE, on
+the XSUB. They are decoded into small records (`StartDpWave`, `AddRequest`,
+`AbortRequests`, `UtilityCall`) and queued; `recv_request()` takes the next one
+and `get_request_nowait()` drains without waiting. Extra `READY` frames (sent to
+everyone when a late engine subscribes) are skipped. A frame with an unknown type
+byte or an undecodable payload is logged and dropped; a vLLM engine's input
+thread would die on it, this agent keeps going.
+
+Sends never block: the PUSH sockets have no high-water mark (as in vLLM), so
+every `send_*` method is a plain call. When the agent has sent nothing to the
+coordinator for `heartbeat_interval_s`, it sends an `EngineCoreOutputs` that
+carries only `engine_index` (and the timestamp every vLLM output carries), which
+keeps the coordinator's lease for this rank alive without meaning anything else.
+
+One agent belongs to one event loop and is not thread-safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from coordinator.protocol.errors import ProtocolError
+from coordinator.protocol.identity import rank_to_identity
+from coordinator.protocol.vllm import (
+    ABORT,
+    ADD,
+    ENGINE_CORE_DEAD,
+    READY,
+    START_DP_WAVE,
+    SUBSCRIBE,
+    UTILITY,
+    EngineCoreOutputs,
+    EngineHandshakeMetadata,
+    EngineReadyResponse,
+    EngineZmqAddresses,
+    HandshakeAccepted,
+    HandshakeError,
+    HandshakeMessage,
+    SchedulerStats,
+    decode_abort,
+    decode_handshake_reply,
+    decode_start_dp_wave,
+    encode_engine_outputs,
+    encode_handshake,
+    encode_ready_response,
+)
+
+__all__ = [
+    "FROM_COORDINATOR",
+    "PROTOCOL_VERSION",
+    "AbortRequests",
+    "AddRequest",
+    "EngineAgent",
+    "EngineRefused",
+    "EngineStartupError",
+    "EngineStartupTimeout",
+    "InboundRequest",
+    "StartDpWave",
+    "UtilityCall",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Sent in HELLO by agents that are not `vllm_shaped`; vLLM engines send none.
+PROTOCOL_VERSION = 1
+
+#: `source` of a request that arrived on the coordinator's publish socket (XSUB).
+FROM_COORDINATOR = -1
+
+# vLLM lets queued outputs drain for 4 s when an engine shuts down.
+_PUSH_LINGER_MS = 4000
+# vLLM's handshake DEALER lingers 5 s so READY reaches the launcher after close.
+_HANDSHAKE_LINGER_MS = 5000
+# Bad frames are logged this many times, then once per this many drops.
+_LOG_FIRST_DROPS = 10
+_LOG_EVERY_DROPS = 1000
+
+
+# ---------------------------------------------------------------- errors
+
+
+class EngineStartupError(RuntimeError):
+    """The engine could not join its coordinator."""
+
+
+class EngineStartupTimeout(EngineStartupError):
+    """A startup step got no answer in time; `stage` says which one."""
+
+    def __init__(self, stage: str, message: str) -> None:
+        super().__init__(message)
+        self.stage = stage
+
+
+class EngineRefused(EngineStartupError):
+    """The coordinator answered HELLO or READY with an ERROR map."""
+
+    def __init__(self, reason: str, *, stage: str) -> None:
+        super().__init__(f"coordinator refused {stage}: {reason}")
+        self.reason = reason
+        self.stage = stage
+
+
+# ---------------------------------------------------------------- inbound requests
+
+
+@dataclass(frozen=True)
+class StartDpWave:
+    """START_DP_WAVE: wave `wave` has started; `exclude` is the rank that started it."""
+
+    TYPE: ClassVar[bytes] = START_DP_WAVE
+    wave: int
+    exclude: int | None
+    source: int
+    frames: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    """ADD: a request; its payload frames are opaque to the agent."""
+
+    TYPE: ClassVar[bytes] = ADD
+    source: int
+    frames: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
+class AbortRequests:
+    """ABORT: request ids to drop."""
+
+    TYPE: ClassVar[bytes] = ABORT
+    request_ids: list[str]
+    source: int
+    frames: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
+class UtilityCall:
+    """UTILITY: `[client_index, call_id, method_name, args]` from a frontend."""
+
+    TYPE: ClassVar[bytes] = UTILITY
+    client_index: int
+    call_id: int
+    method: str
+    args: Any
+    source: int
+    frames: tuple[bytes, ...]
+
+
+InboundRequest = StartDpWave | AddRequest | AbortRequests | UtilityCall
+
+_generic_decoder = msgspec.msgpack.Decoder()
+
+
+def _decode_utility(payload: bytes) -> tuple[int, int, str, Any]:
+    try:
+        value = _generic_decoder.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"undecodable UTILITY payload: {exc}", reason="decode") from exc
+    if not isinstance(value, list) or len(value) != 4:
+        raise ProtocolError("UTILITY payload is not a 4-element array", reason="bad_value")
+    client_index, call_id, method, args = value
+    if not isinstance(client_index, int) or isinstance(client_index, bool):
+        raise ProtocolError("UTILITY client_index is not an int", reason="bad_value")
+    if not isinstance(call_id, int) or isinstance(call_id, bool):
+        raise ProtocolError("UTILITY call_id is not an int", reason="bad_value")
+    if not isinstance(method, str):
+        raise ProtocolError("UTILITY method name is not a string", reason="bad_value")
+    return client_index, call_id, method, args
+
+
+def parse_request(frames: Sequence[bytes], source: int) -> InboundRequest | None:
+    """Turn one multipart message into a request record.
+
+    Returns None for a `READY` frame (nothing to do); raises ProtocolError for
+    anything malformed or of unknown type.
+    """
+    if not frames:
+        raise ProtocolError("empty message", reason="frame_count")
+    type_byte = frames[0]
+    payload = tuple(frames[1:])
+    if type_byte == READY:
+        return None
+    if type_byte == START_DP_WAVE:
+        wave, exclude = decode_start_dp_wave(frames)
+        return StartDpWave(wave=wave, exclude=exclude, source=source, frames=payload)
+    if type_byte == ADD:
+        if not payload:
+            raise ProtocolError("ADD without a payload frame", reason="frame_count")
+        return AddRequest(source=source, frames=payload)
+    if type_byte == ABORT:
+        if len(payload) != 1:
+            raise ProtocolError("ABORT needs exactly one payload frame", reason="frame_count")
+        return AbortRequests(request_ids=decode_abort(payload[0]), source=source, frames=payload)
+    if type_byte == UTILITY:
+        if len(payload) != 1:
+            raise ProtocolError("UTILITY needs exactly one payload frame", reason="frame_count")
+        client_index, call_id, method, args = _decode_utility(payload[0])
+        return UtilityCall(
+            client_index=client_index,
+            call_id=call_id,
+            method=method,
+            args=args,
+            source=source,
+            frames=payload,
+        )
+    raise ProtocolError(f"unknown request type byte {type_byte[:8]!r}", reason="unexpected_type")
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _is_ipv6_tcp(address: str) -> bool:
+    return address.startswith("tcp://[")
+
+
+def _connect(
+    ctx: zmq.asyncio.Context,
+    socket_type: int,
+    address: str,
+    *,
+    identity: bytes | None = None,
+    linger_ms: int | None = None,
+) -> zmq.asyncio.Socket:
+    """A connected socket with vLLM's options for its type (unbounded queues)."""
+    sock = ctx.socket(socket_type)
+    if socket_type in (zmq.PULL, zmq.DEALER, zmq.ROUTER):
+        sock.setsockopt(zmq.RCVHWM, 0)
+    if socket_type in (zmq.PUSH, zmq.DEALER, zmq.ROUTER):
+        sock.setsockopt(zmq.SNDHWM, 0)
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity)
+    if linger_ms is not None:
+        sock.setsockopt(zmq.LINGER, linger_ms)
+    if _is_ipv6_tcp(address):
+        sock.setsockopt(zmq.IPV6, 1)
+    sock.connect(address)
+    return sock
+
+
+def default_ready_response(rank: int, dp_size: int) -> EngineReadyResponse:
+    """A plausible greeting for an engine that has no real model behind it."""
+    return EngineReadyResponse(
+        max_model_len=4096,
+        num_gpu_blocks=1024,
+        block_size=16,
+        dp_stats_address=None,
+        dtype="bfloat16",
+        vllm_version="0.33.0",
+        world_size=1,
+        data_parallel_size=dp_size,
+        tensor_parallel_size=1,
+        pipeline_parallel_size=1,
+        decode_context_parallel_size=1,
+        data_parallel_rank=rank,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        instance_id=uuid.uuid4().hex,
+        supports_lora=False,
+        max_loras=0,
+    )
+
+
+# ---------------------------------------------------------------- the agent
+
+
+class EngineAgent:
+    """One DP rank's sockets: handshake, requests in, stats/waves/outputs out.
+
+    Parameters:
+        handshake_address: the coordinator's `handshake` ROUTER.
+        rank: global DP rank; also the ZMQ identity (2 bytes, little-endian).
+        local, headless: reported in HELLO and READY, as vLLM engines do.
+        engine_id: sent in HELLO unless `vllm_shaped`; None generates a random one,
+            so a restarted process is a new incarnation.
+        parallel_config_hash: sent in READY when set (vLLM sends one when dp > 1).
+        vllm_shaped: send exactly vLLM 0.33's handshake bytes (no engine_id, no
+            protocol_version) and do not wait for a reply to READY.
+        ready_response: the greeting sent on every input socket; by default a
+            made-up one, completed with the coordinator addresses from INIT.
+        heartbeat_interval_s: send an empty `EngineCoreOutputs` to the coordinator
+            after this long without other coordinator traffic; None disables.
+        handshake_timeout_s: wait for the INIT reply to HELLO.
+        ready_timeout_s: wait for the coordinator's `READY` on its publish socket.
+        accept_timeout_s: wait for the reply to READY (not in `vllm_shaped` mode).
+        context: a zmq.asyncio.Context to use; by default the agent owns one.
+    """
+
+    def __init__(
+        self,
+        handshake_address: str,
+        rank: int,
+        *,
+        local: bool = False,
+        headless: bool = True,
+        engine_id: str | None = None,
+        parallel_config_hash: str | None = None,
+        vllm_shaped: bool = False,
+        ready_response: EngineReadyResponse | None = None,
+        heartbeat_interval_s: float | None = 2.0,
+        handshake_timeout_s: float = 60.0,
+        ready_timeout_s: float = 120.0,
+        accept_timeout_s: float = 30.0,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self.handshake_address = handshake_address
+        self.rank = rank
+        self.identity = rank_to_identity(rank)
+        self.local = local
+        self.headless = headless
+        self.vllm_shaped = vllm_shaped
+        self.engine_id: str | None = None
+        if not vllm_shaped:
+            self.engine_id = engine_id if engine_id is not None else uuid.uuid4().hex
+        self.parallel_config_hash = parallel_config_hash
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.handshake_timeout_s = handshake_timeout_s
+        self.ready_timeout_s = ready_timeout_s
+        self.accept_timeout_s = accept_timeout_s
+        self._ready_response = ready_response
+
+        self._owns_context = context is None
+        self._ctx = context if context is not None else zmq.asyncio.Context()
+
+        #: Filled from INIT by `start()`.
+        self.addresses: EngineZmqAddresses | None = None
+        self.parallel_config: dict[str, Any] = {}
+
+        #: When False, due heartbeats are skipped (fault injection: a silent engine).
+        self.heartbeats_enabled = True
+        #: Count of dropped inbound messages, by ProtocolError reason token.
+        self.drops: Counter[str] = Counter()
+        self.heartbeats_sent = 0
+
+        self._handshake: zmq.asyncio.Socket | None = None
+        self._inputs: list[zmq.asyncio.Socket] = []
+        self._coord_sub: zmq.asyncio.Socket | None = None
+        self._coord_push: zmq.asyncio.Socket | None = None
+        self._output_pushes: list[zmq.asyncio.Socket] = []
+        self._queue: asyncio.Queue[InboundRequest] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._last_coord_send = time.monotonic()
+        self._started = False
+        self._closed = False
+
+    # ------------------------------------------------------------ properties
+
+    @property
+    def started(self) -> bool:
+        return self._started
+
+    @property
+    def has_coordinator(self) -> bool:
+        """True when INIT gave a coordinator output address (vLLM's definition)."""
+        return self._coord_push is not None
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self._output_pushes)
+
+    @property
+    def pending_requests(self) -> int:
+        return self._queue.qsize()
+
+    # ------------------------------------------------------------ startup
+
+    async def start(self) -> None:
+        """Run the whole startup handshake; raise EngineStartupError on failure."""
+        if self._started or self._closed:
+            raise RuntimeError("EngineAgent.start() may be called once")
+        try:
+            await self._start()
+        except BaseException:
+            await self.close(linger_s=0.0)
+            raise
+        self._started = True
+
+    async def _start(self) -> None:
+        self._handshake = _connect(
+            self._ctx,
+            zmq.DEALER,
+            self.handshake_address,
+            identity=self.identity,
+            linger_ms=_HANDSHAKE_LINGER_MS if self.vllm_shaped else 0,
+        )
+        hello = HandshakeMessage(
+            status="HELLO",
+            local=self.local,
+            headless=self.headless,
+            engine_id=self.engine_id,
+            protocol_version=None if self.vllm_shaped else PROTOCOL_VERSION,
+        )
+        await self._handshake.send(encode_handshake(hello))
+        reply = await self._handshake_reply("init", self.handshake_timeout_s)
+        if isinstance(reply, HandshakeError):
+            raise EngineRefused(reply.reason, stage="HELLO")
+        if not isinstance(reply, EngineHandshakeMetadata):
+            raise EngineStartupError(f"expected INIT in reply to HELLO, got {reply!r}")
+        self.addresses = addresses = reply.addresses
+        self.parallel_config = dict(reply.parallel_config)
+        logger.debug("rank %d: INIT %s", self.rank, addresses)
+
+        # Outputs first, so nothing sent right after startup can find them missing.
+        if addresses.coordinator_output is not None:
+            self._coord_push = _connect(
+                self._ctx, zmq.PUSH, addresses.coordinator_output, linger_ms=_PUSH_LINGER_MS
+            )
+        self._output_pushes = [
+            _connect(self._ctx, zmq.PUSH, address, linger_ms=_PUSH_LINGER_MS)
+            for address in addresses.outputs
+        ]
+
+        self._inputs = [
+            _connect(self._ctx, zmq.DEALER, address, identity=self.identity)
+            for address in addresses.inputs
+        ]
+        if addresses.coordinator_input is not None:
+            # vLLM sets the identity on this XSUB too; it has no effect there.
+            self._coord_sub = _connect(
+                self._ctx, zmq.XSUB, addresses.coordinator_input, identity=self.identity
+            )
+            await self._coord_sub.send(SUBSCRIBE)
+
+        greeting = encode_ready_response(self._make_ready_response(addresses))
+        for sock in self._inputs:
+            await sock.send(greeting)
+
+        early: list[list[bytes]] = []
+        if self._coord_sub is not None:
+            await self._wait_coordinator_ready(self._coord_sub, addresses, early)
+
+        for index, sock in enumerate(self._inputs):
+            self._spawn(self._read_loop(sock, index), f"engine-{self.rank}-input-{index}")
+        if self._coord_sub is not None:
+            for frames in early:
+                self._accept(frames, FROM_COORDINATOR)
+            self._spawn(
+                self._read_loop(self._coord_sub, FROM_COORDINATOR),
+                f"engine-{self.rank}-coordinator-input",
+            )
+
+        ready = HandshakeMessage(
+            status="READY",
+            local=self.local,
+            headless=self.headless,
+            parallel_config_hash=self.parallel_config_hash,
+        )
+        await self._handshake.send(encode_handshake(ready))
+        if not self.vllm_shaped:
+            reply = await self._handshake_reply("accept", self.accept_timeout_s)
+            if isinstance(reply, HandshakeError):
+                raise EngineRefused(reply.reason, stage="READY")
+            if not isinstance(reply, HandshakeAccepted):
+                raise EngineStartupError(f"expected ACCEPTED in reply to READY, got {reply!r}")
+        # Like vLLM, the handshake socket is done once READY is out.
+        self._handshake.close()
+        self._handshake = None
+
+        self._last_coord_send = time.monotonic()
+        if self._coord_push is not None and self.heartbeat_interval_s is not None:
+            self._spawn(self._heartbeat_loop(self.heartbeat_interval_s), f"engine-{self.rank}-hb")
+        logger.info(
+            "rank %d joined: %d input(s), %d output(s), coordinator %s",
+            self.rank,
+            len(self._inputs),
+            len(self._output_pushes),
+            "yes" if self._coord_push is not None else "no",
+        )
+
+    def _make_ready_response(self, addresses: EngineZmqAddresses) -> EngineReadyResponse:
+        base = self._ready_response
+        if base is None:
+            dp_size = self.parallel_config.get("data_parallel_size", self.rank + 1)
+            base = default_ready_response(
+                self.rank, dp_size if isinstance(dp_size, int) else self.rank + 1
+            )
+        return msgspec.structs.replace(
+            base,
+            data_parallel_rank=self.rank,
+            dp_stats_address=addresses.frontend_stats_publish_address,
+            coordinator_input_address=addresses.coordinator_input,
+            coordinator_output_address=addresses.coordinator_output,
+        )
+
+    async def _handshake_reply(
+        self, stage: str, timeout_s: float
+    ) -> EngineHandshakeMetadata | HandshakeError | HandshakeAccepted:
+        sock = self._handshake
+        if sock is None:
+            raise EngineStartupError("handshake socket is closed")
+        if not await sock.poll(timeout=int(timeout_s * 1000)):
+            what = "INIT reply to HELLO" if stage == "init" else "reply to READY"
+            raise EngineStartupTimeout(
+                stage,
+                f"rank {self.rank}: no {what} from {self.handshake_address} within "
+                f"{timeout_s:g} s; is the coordinator running and reachable there?",
+            )
+        frames = await sock.recv_multipart()
+        if len(frames) != 1:
+            raise EngineStartupError(
+                f"handshake reply has {len(frames)} frames, expected 1 ({stage})"
+            )
+        try:
+            return decode_handshake_reply(frames[0])
+        except ProtocolError as exc:
+            raise EngineStartupError(f"undecodable handshake reply ({stage}): {exc}") from exc
+
+    async def _wait_coordinator_ready(
+        self,
+        sock: zmq.asyncio.Socket,
+        addresses: EngineZmqAddresses,
+        early: list[list[bytes]],
+    ) -> None:
+        """Block until READY arrives on the XSUB; keep anything else for later.
+
+        vLLM asserts that READY is the first message; a START_DP_WAVE overtaking it
+        (possible for late joiners) is kept and handled after startup instead.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.ready_timeout_s
+        while True:
+            remaining = deadline - loop.time()
+            if remaining <= 0 or not await sock.poll(timeout=max(1, int(remaining * 1000))):
+                dp_size = self.parallel_config.get("data_parallel_size")
+                group = f"all {dp_size} ranks" if isinstance(dp_size, int) else "every rank"
+                raise EngineStartupTimeout(
+                    "coordinator_ready",
+                    f"rank {self.rank}: no READY from the coordinator on "
+                    f"{addresses.coordinator_input} within {self.ready_timeout_s:g} s; the "
+                    f"coordinator releases engines only once {group} of the group have "
+                    f"subscribed there, so check that the other engines are running",
+                )
+            frames = await sock.recv_multipart()
+            if frames and frames[0] == READY:
+                return
+            logger.warning(
+                "rank %d: message before READY on the coordinator socket; kept for later",
+                self.rank,
+            )
+            early.append(frames)
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        self._tasks.append(asyncio.get_running_loop().create_task(coro, name=name))
+
+    # ------------------------------------------------------------ inbound
+
+    async def _read_loop(self, sock: zmq.asyncio.Socket, source: int) -> None:
+        while True:
+            frames = await sock.recv_multipart()
+            self._accept(frames, source)
+
+    def _accept(self, frames: Sequence[bytes], source: int) -> None:
+        try:
+            request = parse_request(frames, source)
+        except ProtocolError as exc:
+            self._drop(exc.reason, f"{exc} (source {source})")
+            return
+        if request is not None:
+            self._queue.put_nowait(request)
+
+    def _drop(self, reason: str, detail: str) -> None:
+        self.drops[reason] += 1
+        total = sum(self.drops.values())
+        if total <= _LOG_FIRST_DROPS or total % _LOG_EVERY_DROPS == 0:
+            logger.warning(
+                "rank %d: dropped bad inbound message (%s, %d dropped so far): %s",
+                self.rank,
+                reason,
+                total,
+                detail,
+            )
+
+    async def recv_request(self, timeout_s: float | None = None) -> InboundRequest:
+        """The next request; raises asyncio.TimeoutError after `timeout_s` if given."""
+        if timeout_s is None:
+            return await self._queue.get()
+        return await asyncio.wait_for(self._queue.get(), timeout_s)
+
+    def get_request_nowait(self) -> InboundRequest | None:
+        """The next request if one is queued, else None."""
+        try:
+            return self._queue.get_nowait()
+        except asyncio.QueueEmpty:
+            return None
+
+    # ------------------------------------------------------------ outbound
+
+    def _send_to_coordinator(self, message: EngineCoreOutputs) -> None:
+        if self._coord_push is None:
+            raise RuntimeError(
+                f"rank {self.rank} has no coordinator output address (INIT gave none)"
+            )
+        message.engine_index = self.rank
+        if message.timestamp == 0.0:
+            message.timestamp = time.monotonic()
+        self._send_now(self._coord_push, encode_engine_outputs(message))
+        self._last_coord_send = time.monotonic()
+
+    @staticmethod
+    def _send_now(sock: zmq.asyncio.Socket, data: bytes) -> None:
+        # With SNDHWM=0 a connected PUSH never refuses a frame, so the send
+        # completes at once; a failure would surface here, not in a lost future.
+        done = sock.send(data, flags=zmq.NOBLOCK)
+        if isinstance(done, asyncio.Future) and done.done():
+            error = done.exception()
+            if error is not None:
+                raise error
+
+    def send_stats(
+        self,
+        waiting: int,
+        running: int,
+        kv_cache_usage: float,
+        step_counter: int = 0,
+        current_wave: int = 0,
+    ) -> None:
+        """Report load to the coordinator (a full 18-key SchedulerStats map)."""
+        stats = SchedulerStats(
+            num_running_reqs=running,
+            num_waiting_reqs=waiting,
+            kv_cache_usage=kv_cache_usage,
+            step_counter=step_counter,
+            current_wave=current_wave,
+        )
+        self._send_to_coordinator(EngineCoreOutputs(scheduler_stats=stats))
+
+    def send_wave_complete(self, wave: int) -> None:
+        """Tell the coordinator wave `wave` has ended and the group is paused (rank 0)."""
+        self._send_to_coordinator(EngineCoreOutputs(wave_complete=wave))
+
+    def send_start_wave(self, wave: int) -> None:
+        """Tell the coordinator this engine started wave `wave`; it wakes the others."""
+        self._send_to_coordinator(EngineCoreOutputs(start_wave=wave))
+
+    def send_heartbeat(self) -> None:
+        """An output with nothing but engine_index: keeps the coordinator's lease alive."""
+        self._send_to_coordinator(EngineCoreOutputs())
+        self.heartbeats_sent += 1
+
+    def send_output(self, client_index: int, outputs: EngineCoreOutputs) -> None:
+        """Send outputs to frontend `client_index` (-1: to the coordinator, as vLLM)."""
+        if client_index == -1:
+            self._send_to_coordinator(outputs)
+            return
+        if not 0 <= client_index < len(self._output_pushes):
+            raise IndexError(
+                f"rank {self.rank}: no output socket for client index {client_index} "
+                f"(INIT listed {len(self._output_pushes)})"
+            )
+        outputs.engine_index = self.rank
+        if outputs.timestamp == 0.0:
+            outputs.timestamp = time.monotonic()
+        self._send_now(self._output_pushes[client_index], encode_engine_outputs(outputs))
+
+    def send_engine_dead(self) -> None:
+        """Send the raw ENGINE_CORE_DEAD frame to every frontend output (not the coordinator)."""
+        for sock in self._output_pushes:
+            self._send_now(sock, ENGINE_CORE_DEAD)
+
+    async def _heartbeat_loop(self, interval_s: float) -> None:
+        while True:
+            delay = self._last_coord_send + interval_s - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+                continue
+            if self.heartbeats_enabled:
+                self.send_heartbeat()
+            else:
+                self._last_coord_send = time.monotonic()
+
+    # ------------------------------------------------------------ shutdown
+
+    async def close(self, linger_s: float = 1.0) -> None:
+        """Stop reading, close every socket (letting queued sends drain for `linger_s`)."""
+        if self._closed:
+            return
+        self._closed = True
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        linger_ms = max(0, int(linger_s * 1000))
+        sockets: list[zmq.asyncio.Socket] = [*self._inputs, *self._output_pushes]
+        for maybe in (self._handshake, self._coord_sub, self._coord_push):
+            if maybe is not None:
+                sockets.append(maybe)
+        for sock in sockets:
+            sock.close(linger=linger_ms)
+        self._inputs = []
+        self._output_pushes = []
+        self._handshake = self._coord_sub = self._coord_push = None
+        if self._owns_context:
+            # term() waits for lingering sends; keep it off the event loop.
+            await asyncio.get_running_loop().run_in_executor(None, self._ctx.term)
