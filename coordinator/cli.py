@@ -75,6 +75,12 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
                    "found at start-up)")
     p.add_argument("--coord-store-port", type=int, default=None,
                    help="_coord_store_port sent in INIT (elastic EP; default: not sent)")
+    p.add_argument("--vllm-compat", default="0.33", choices=["0.33", "legacy"],
+                   help="0.33 (default): vLLM 0.33 frontends. legacy: also accept the pre-0.33 "
+                   "frontend wake [engine_index, wave] on front_publish and publish "
+                   "2-element count rows for frontends that unpack two")
+    p.add_argument("--loop", default="auto", choices=["auto", "uvloop", "asyncio"],
+                   help="event loop (default auto: uvloop when installed)")
     p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"], help="default info")
 
@@ -157,6 +163,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         master_ip=args.master_ip,
         master_port=args.master_port,
         coord_store_port=args.coord_store_port,
+        vllm_compat=args.vllm_compat,
+        loop=args.loop,
     )
     return run_server(config)
 

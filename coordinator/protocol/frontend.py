@@ -175,6 +175,12 @@ class RankDrained(_Message, tag="drained"):
     rank: int
 
 
+class ShuttingDown(_Message, tag="shutdown"):
+    """Unsolicited: the coordinator stops taking work and is about to close."""
+
+    reason: str
+
+
 FrontendReply = (
     Registered
     | Submitted
@@ -184,6 +190,7 @@ FrontendReply = (
     | ErrorReply
     | RequestsFailed
     | RankDrained
+    | ShuttingDown
 )
 
 # Error codes carried in ErrorReply.code.

@@ -118,6 +118,7 @@ class CoordinatorServer:
         self._parallel_config: dict[str, int | str | list[int]] = {}
         self._wave_listeners: list[Callable[[WaveAction], None]] = []
         self._publish_requested = False
+        self._row_width = 2 if config.vllm_compat == "legacy" else 3
 
     # ---- setup and teardown -------------------------------------------------
 
@@ -184,7 +185,7 @@ class CoordinatorServer:
 
     def close(self) -> None:
         for sock in self._sockets.values():
-            sock.close(0)
+            sock.close()
         self._sockets.clear()
         if self._ctx is not None:
             self._ctx.term()
@@ -235,6 +236,21 @@ class CoordinatorServer:
             for task in [*tasks, stopper]:
                 task.cancel()
             await asyncio.gather(*tasks, stopper, return_exceptions=True)
+        self.begin_shutdown("the coordinator received a stop signal")
+
+    def begin_shutdown(self, reason: str) -> None:
+        """Stop taking work and tell everyone, before the sockets close."""
+        if self.shutting_down or not self._sockets:
+            return
+        self.shutting_down = True
+        notice = fp.encode(fp.ShuttingDown(reason))
+        for peer in list(self.frontends.values()):
+            self._send_router("frontend", peer.identity, notice)
+        if self.gate_open:
+            self.publish_full(self.clock())
+        # Give the goodbye messages a moment to leave; close() would drop them.
+        for key in ("frontend", "front_publish"):
+            self._sockets[key].setsockopt(zmq.LINGER, 500)
 
     def _handler_failed(self, socket_name: str, exc: BaseException) -> None:
         self.counters[f"internal_error.{socket_name}"] += 1
@@ -487,10 +503,27 @@ class CoordinatorServer:
             return
         if isinstance(message, vllm.ScaleElasticEP):
             self._resize(message.new_count)
+        elif self.config.vllm_compat == "legacy":
+            self._on_legacy_first_request(message)
         else:
             self._drop("front_publish", "legacy_first_request",
                        f"[{message.engine_index}, {message.wave}] (pre-0.33 frontend wake; "
-                       "ignored in 0.33 mode)")
+                       "start with --vllm-compat legacy to honour it)")
+
+    def _on_legacy_first_request(self, message: vllm.LegacyFirstRequest) -> None:
+        """A pre-0.33 frontend sent a request to a paused group: wake the others.
+
+        Same rule as a submit through the coordinator (one wake per wave; a stale
+        stamp wakes everyone), but running still flips only on an engine's report.
+        """
+        if self.membership.check_rank(message.engine_index) is not None:
+            self._drop("front_publish", "rank_out_of_range",
+                       f"legacy wake names engine {message.engine_index}")
+            return
+        self.counters["legacy.first_requests"] += 1
+        self._apply_wave_actions(
+            self.waves.on_first_request(message.engine_index, message.wave)
+        )
 
     def _resize(self, new_total: int) -> None:
         count = new_total - self.config.rank_start
@@ -722,7 +755,9 @@ class CoordinatorServer:
     def publish_full(self, now: float) -> None:
         rows = self.loads.take_publish_rows()
         wave, running = self.waves.snapshot()
-        self._send_pub("front_publish", [vllm.encode_front_publish(rows, wave, running)])
+        self._send_pub("front_publish", [
+            vllm.encode_front_publish(rows, wave, running, row_width=self._row_width)
+        ])
         self.schedule.published(now)
         self._publish_requested = False
         self.counters["publish.full"] += 1

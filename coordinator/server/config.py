@@ -36,6 +36,11 @@ class ServerConfig:
     """data_parallel_master_port sent in INIT (default: a free port found at start-up)."""
     master_port_list: list[int] = field(default_factory=list)
     coord_store_port: int | None = None
+    vllm_compat: str = "0.33"
+    """"0.33": vLLM 0.33 frontends. "legacy": also take the pre-0.33 frontend wake
+    `[engine_index, wave]` on front_publish and publish 2-element count rows."""
+    loop: str = "auto"
+    """Event loop: "auto" (uvloop when installed), "uvloop" or "asyncio"."""
     log_interval_s: float = 5.0
     """Minimum gap between two log lines about the same kind of bad input."""
 
@@ -52,5 +57,9 @@ class ServerConfig:
             raise ValueError(f"--frontends must be >= 0, got {self.frontends}")
         if self.publish_interval_s <= 0 or self.heartbeat_s < self.publish_interval_s:
             raise ValueError("need 0 < --publish-interval-ms <= --heartbeat-s")
+        if self.vllm_compat not in ("0.33", "legacy"):
+            raise ValueError(f"--vllm-compat must be 0.33 or legacy, got {self.vllm_compat!r}")
+        if self.loop not in ("auto", "uvloop", "asyncio"):
+            raise ValueError(f"--loop must be auto, uvloop or asyncio, got {self.loop!r}")
         if self.lease_ttl_s <= 0:
             raise ValueError("--lease-ttl-s must be positive")

@@ -30,11 +30,16 @@ def configure_logging(level: str) -> None:
     )
 
 
-def run_event_loop(main: Coroutine[Any, Any, int]) -> int:
-    """Run on uvloop when it is installed, else the default loop."""
+def run_event_loop(main: Coroutine[Any, Any, int], loop: str = "auto") -> int:
+    """Run on uvloop when asked for or (with "auto") when installed, else asyncio's loop."""
+    if loop == "asyncio":
+        return asyncio.run(main)
     try:
         import uvloop
     except ImportError:
+        if loop == "uvloop":
+            main.close()
+            raise RuntimeError("--loop uvloop was asked for but uvloop is not installed") from None
         return asyncio.run(main)
     result: int = uvloop.run(main)
     return result
@@ -84,7 +89,7 @@ def run_server(config: ServerConfig, *, print_addresses: bool = True) -> int:
     if print_addresses:
         print(json.dumps(addresses, sort_keys=True), flush=True)
     try:
-        return run_event_loop(serve_until_signal(server))
+        return run_event_loop(serve_until_signal(server), config.loop)
     except Exception:
         log.exception("coordinator failed")
         return EXIT_FATAL
