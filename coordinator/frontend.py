@@ -16,8 +16,8 @@ Sockets, all owned by one client:
 * a DEALER connected to the coordinator's `frontend` ROUTER, carrying this
   project's frontend protocol (`coordinator.protocol.frontend`). Every request
   has a fresh call id and its reply is matched by that id, so calls may run
-  concurrently; unsolicited notices (`RequestsFailed`, `RankDrained`) arrive on
-  the same socket and go to `notices()` / `on_notice`;
+  concurrently; unsolicited notices (`RequestsFailed`, `RankDrained`,
+  `ShuttingDown`) arrive on the same socket and go to `notices()` / `on_notice`;
 * an XSUB connected to `front_publish` (subscribed with the single frame
   `b"\\x01"`), from which the client learns `wave`, `running` and per-rank
   `counts`. Like a vLLM frontend it drains every pending publish and keeps only
@@ -133,7 +133,7 @@ class EngineDead:
     at: float
 
 
-Notice = fp.RequestsFailed | fp.RankDrained | fp.ErrorReply | EngineDead
+Notice = fp.RequestsFailed | fp.RankDrained | fp.ShuttingDown | fp.ErrorReply | EngineDead
 """Something the coordinator or an engine told us without being asked.
 
 An `ErrorReply` here has call id 0 (or an id no call waits for): the coordinator
@@ -555,7 +555,7 @@ class FrontendClient:
             self.stats["requests_failed"] += len(reply.request_ids)
             self._notice(reply)
             return
-        if isinstance(reply, fp.RankDrained):
+        if isinstance(reply, (fp.RankDrained, fp.ShuttingDown)):
             self._notice(reply)
             return
         future = self._pending.get(reply.call_id)
