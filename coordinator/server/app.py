@@ -138,7 +138,7 @@ class CoordinatorServer:
         specs: list[tuple[str, int, list[tuple[int, int]]]] = [
             ("handshake", zmq.ROUTER, [(zmq.ROUTER_MANDATORY, 1)]),
             ("dispatch", zmq.ROUTER, [(zmq.ROUTER_MANDATORY, 1), (zmq.ROUTER_HANDOVER, 1),
-                                      (zmq.SNDHWM, 0)]),
+                                      (zmq.SNDHWM, 0), *self._heartbeat_options()]),
             ("back_output", zmq.PULL, [(zmq.RCVHWM, 0)]),
             ("back_publish", zmq.XPUB, [(zmq.XPUB_VERBOSE, 1)]),
             ("front_publish", zmq.XPUB, [(zmq.XPUB_VERBOSE, 1)]),
@@ -159,6 +159,12 @@ class CoordinatorServer:
         if cfg.addr_file:
             write_address_file(cfg.addr_file, self.addresses)
         return dict(self.addresses)
+
+    def _heartbeat_options(self) -> list[tuple[int, int]]:
+        """ZMTP heartbeats: a tcp peer that stops answering is disconnected, which
+        turns a silent network failure into a failed probe within the lease TTL."""
+        ttl_ms = int(self.config.lease_ttl_s * 1000)
+        return [(zmq.HEARTBEAT_IVL, max(100, ttl_ms // 4)), (zmq.HEARTBEAT_TIMEOUT, ttl_ms)]
 
     def _build_parallel_config(self) -> dict[str, int | str | list[int]]:
         """The torch DP meeting point every rank must share (lockstep mode only)."""
@@ -315,6 +321,11 @@ class CoordinatorServer:
             rank, engine_id=message.engine_id, local=message.local,
             headless=message.headless, now=now,
         )
+        if isinstance(result, Refused) and self._holder_is_gone(rank, now):
+            result = self.membership.hello(
+                rank, engine_id=message.engine_id, local=message.local,
+                headless=message.headless, now=now,
+            )
         if isinstance(result, Refused):
             self._refuse_handshake(identity, result.reason.name.lower(), result.message)
             return
@@ -325,6 +336,18 @@ class CoordinatorServer:
             self.pending_inits[rank] = identity
             return
         self._send_init(rank, identity)
+
+    def _holder_is_gone(self, rank: int, now: float) -> bool:
+        """Probe the engine holding `rank`; if its connection is gone, free the rank."""
+        lease = self.membership.lease(rank)
+        if lease is None or lease.state is RankState.DEAD or not lease.dispatch_connected:
+            return False
+        probe = vllm.encode_abort([])
+        if self._send_router("dispatch", rank_to_identity(rank), vllm.ABORT, probe, quiet=True):
+            return False
+        for change in self.membership.disconnected(rank, now):
+            self._on_rank_changed(change)
+        return True
 
     def _note_accepted(self, step: str, result: Accepted) -> None:
         lease = result.lease
@@ -727,9 +750,32 @@ class CoordinatorServer:
         interval = max(0.05, min(1.0, self.config.lease_ttl_s / 4))
         while True:
             await asyncio.sleep(interval)
-            now = self.clock()
-            for change in self.membership.expire(now):
-                self._on_rank_changed(change)
+            self.check_leases(self.clock())
+
+    def check_leases(self, now: float) -> None:
+        """Probe quiet engines, then expire the leases nobody renewed.
+
+        vLLM engines send nothing while idle, so silence alone proves nothing. An
+        empty ABORT is a no-op for every engine (dense or MoE, idle or busy), and
+        with ROUTER_MANDATORY the send fails at once if the engine's connection is
+        gone; a connection that is still there renews the lease.
+        """
+        quiet_after = self.config.lease_ttl_s / 3
+        probe = vllm.encode_abort([])
+        for lease in self.membership.leases():
+            if lease.state is RankState.DEAD or not lease.dispatch_connected:
+                continue
+            if now - lease.last_seen < quiet_after:
+                continue
+            self.counters["lease.probes"] += 1
+            if self._send_router("dispatch", rank_to_identity(lease.rank), vllm.ABORT, probe,
+                                 quiet=True):
+                self.membership.touch(lease.rank, now)
+            else:
+                for change in self.membership.disconnected(lease.rank, now):
+                    self._on_rank_changed(change)
+        for change in self.membership.expire(now):
+            self._on_rank_changed(change)
 
     # ---- publishing (XPUB front_publish, vLLM C1) ---------------------------
 
@@ -764,7 +810,7 @@ class CoordinatorServer:
 
     # ---- sending ------------------------------------------------------------
 
-    def _send_router(self, key: str, identity: bytes, *frames: bytes) -> bool:
+    def _send_router(self, key: str, identity: bytes, *frames: bytes, quiet: bool = False) -> bool:
         try:
             self._sockets[key].send_multipart([identity, *frames], zmq.NOBLOCK)
             return True
@@ -774,6 +820,8 @@ class CoordinatorServer:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
             self.counters[f"send_dropped.{key}.unreachable"] += 1
+        if quiet:
+            return False
         self._ratelog.log(logging.WARNING, f"send:{key}:{identity!r}",
                           "could not send on %s to %r (peer gone or queue full)", key, identity)
         return False
