@@ -360,8 +360,9 @@ class EngineAgent:
         self.accept_timeout_s = accept_timeout_s
         self._ready_response = ready_response
 
+        # An own context is made in start(), so an agent never started holds nothing.
         self._owns_context = context is None
-        self._ctx = context if context is not None else zmq.asyncio.Context()
+        self._ctx: zmq.asyncio.Context | None = context
 
         #: Filled from INIT by `start()`.
         self.addresses: EngineZmqAddresses | None = None
@@ -417,8 +418,11 @@ class EngineAgent:
         self._started = True
 
     async def _start(self) -> None:
+        if self._ctx is None:
+            self._ctx = zmq.asyncio.Context()
+        ctx = self._ctx
         self._handshake = _connect(
-            self._ctx,
+            ctx,
             zmq.DEALER,
             self.handshake_address,
             identity=self.identity,
@@ -444,21 +448,21 @@ class EngineAgent:
         # Outputs first, so nothing sent right after startup can find them missing.
         if addresses.coordinator_output is not None:
             self._coord_push = _connect(
-                self._ctx, zmq.PUSH, addresses.coordinator_output, linger_ms=_PUSH_LINGER_MS
+                ctx, zmq.PUSH, addresses.coordinator_output, linger_ms=_PUSH_LINGER_MS
             )
         self._output_pushes = [
-            _connect(self._ctx, zmq.PUSH, address, linger_ms=_PUSH_LINGER_MS)
+            _connect(ctx, zmq.PUSH, address, linger_ms=_PUSH_LINGER_MS)
             for address in addresses.outputs
         ]
 
         self._inputs = [
-            _connect(self._ctx, zmq.DEALER, address, identity=self.identity)
+            _connect(ctx, zmq.DEALER, address, identity=self.identity)
             for address in addresses.inputs
         ]
         if addresses.coordinator_input is not None:
             # vLLM sets the identity on this XSUB too; it has no effect there.
             self._coord_sub = _connect(
-                self._ctx, zmq.XSUB, addresses.coordinator_input, identity=self.identity
+                ctx, zmq.XSUB, addresses.coordinator_input, identity=self.identity
             )
             await self._coord_sub.send(SUBSCRIBE)
 
@@ -732,6 +736,7 @@ class EngineAgent:
         self._inputs = []
         self._output_pushes = []
         self._handshake = self._coord_sub = self._coord_push = None
-        if self._owns_context:
+        if self._owns_context and self._ctx is not None:
             # term() waits for lingering sends; keep it off the event loop.
             await asyncio.get_running_loop().run_in_executor(None, self._ctx.term)
+            self._ctx = None

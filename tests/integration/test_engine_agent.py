@@ -1,0 +1,573 @@
+"""EngineAgent on the wire, against a coordinator scripted from raw zmq sockets.
+
+The scripted side binds what a coordinator binds (handshake ROUTER, dispatch
+ROUTER, back-publish XPUB, back-output PULL) plus a frontend's input ROUTER and
+output PULL, all on ipc in the test's tmp dir, and checks the exact bytes the
+agent sends. It builds its own replies with plain msgpack, not with the
+project's codecs, so a codec bug cannot hide on both sides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+
+from coordinator.engine import (
+    FROM_COORDINATOR,
+    AbortRequests,
+    AddRequest,
+    EngineAgent,
+    EngineRefused,
+    EngineStartupTimeout,
+    StartDpWave,
+    UtilityCall,
+)
+from coordinator.protocol.vllm import EngineCoreOutputs
+
+pytestmark = pytest.mark.timeout(30)
+
+RANK = 1
+IDENTITY = b"\x01\x00"
+STEP = 5.0  # bound on any single wait in these tests
+
+# vLLM 0.33's HELLO from a headless, non-local engine, byte for byte.
+VLLM_HELLO = bytes.fromhex("83a6737461747573a548454c4c4fa56c6f63616cc2a8686561646c657373c3")
+
+SCHEDULER_STATS_KEYS = [
+    "num_running_reqs",
+    "num_waiting_reqs",
+    "num_skipped_waiting_reqs",
+    "num_kv_fetch_reqs_by_stage",
+    "step_counter",
+    "current_wave",
+    "kv_cache_usage",
+    "iteration_details",
+    "prefix_cache_stats",
+    "connector_prefix_cache_stats",
+    "kv_cache_eviction_events",
+    "spec_decoding_stats",
+    "kv_connector_stats",
+    "ec_connector_stats",
+    "waiting_lora_adapters",
+    "running_lora_adapters",
+    "cudagraph_stats",
+    "perf_stats",
+]
+
+READY_RESPONSE_KEYS = [
+    "max_model_len",
+    "num_gpu_blocks",
+    "block_size",
+    "dp_stats_address",
+    "dtype",
+    "vllm_version",
+    "world_size",
+    "data_parallel_size",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "decode_context_parallel_size",
+    "data_parallel_rank",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "instance_id",
+    "supports_lora",
+    "max_loras",
+    "mamba_block_size",
+    "kv_cache_size_tokens",
+    "kv_cache_max_concurrency",
+    "kv_events_config",
+    "weight_transfer_backend",
+    "enable_sleep_mode",
+    "supports_draft_weight_updates",
+    "effective_attention_block_size",
+    "coord_store_port",
+    "coordinator_input_address",
+    "coordinator_output_address",
+]
+
+pack = msgspec.msgpack.encode
+unpack = msgspec.msgpack.decode
+
+
+class ScriptedCoordinator:
+    """The coordinator's and one frontend's sockets, driven by the test."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+        self.ctx = ctx
+        self.addr = {
+            name: f"ipc://{tmp_path}/{name}"
+            for name in ("hs", "dispatch", "fe_in", "back_pub", "back_out", "fe_out", "front_pub")
+        }
+        self.handshake = self._bind(zmq.ROUTER, "hs")
+        self.dispatch = self._bind(zmq.ROUTER, "dispatch")
+        self.frontend_input = self._bind(zmq.ROUTER, "fe_in")
+        self.back_publish = self._bind(zmq.XPUB, "back_pub")
+        self.back_publish.setsockopt(zmq.XPUB_VERBOSE, 1)
+        self.back_output = self._bind(zmq.PULL, "back_out")
+        self.frontend_output = self._bind(zmq.PULL, "fe_out")
+
+    def _bind(self, kind: int, name: str) -> zmq.asyncio.Socket:
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(self.addr[name])
+        return sock
+
+    def init_payload(self, *, coordinator: bool = True) -> bytes:
+        return pack(
+            {
+                "addresses": {
+                    "inputs": [self.addr["dispatch"], self.addr["fe_in"]],
+                    "outputs": [self.addr["fe_out"]],
+                    "coordinator_input": self.addr["back_pub"] if coordinator else None,
+                    "coordinator_output": self.addr["back_out"] if coordinator else None,
+                    "frontend_stats_publish_address": self.addr["front_pub"],
+                },
+                "parallel_config": {
+                    "data_parallel_master_ip": "127.0.0.1",
+                    "data_parallel_master_port": 29500,
+                    "_data_parallel_master_port_list": [29501, 29502],
+                    "data_parallel_size": 2,
+                },
+            }
+        )
+
+    async def recv(self, sock: zmq.asyncio.Socket, timeout: float = STEP) -> list[bytes]:
+        frames: list[bytes] = await asyncio.wait_for(sock.recv_multipart(), timeout)
+        return frames
+
+    async def nothing_on(self, sock: zmq.asyncio.Socket, seconds: float = 0.15) -> bool:
+        return not await sock.poll(timeout=int(seconds * 1000))
+
+    async def handshake_until_ready(self) -> dict[str, Any]:
+        """Play the coordinator through HELLO..READY; returns the decoded READY map."""
+        identity, _hello = await self.recv(self.handshake)
+        await self.handshake.send_multipart([identity, self.init_payload()])
+        assert await self.recv(self.back_publish) == [b"\x01"]
+        await self.recv(self.dispatch)
+        await self.recv(self.frontend_input)
+        await self.back_publish.send(b"READY")
+        identity, ready = await self.recv(self.handshake)
+        assert identity == IDENTITY
+        decoded: dict[str, Any] = unpack(ready)
+        return decoded
+
+    def close(self) -> None:
+        for sock in (
+            self.handshake,
+            self.dispatch,
+            self.frontend_input,
+            self.back_publish,
+            self.back_output,
+            self.frontend_output,
+        ):
+            sock.close(linger=0)
+
+
+@pytest.fixture
+async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
+    context = zmq.asyncio.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+@pytest.fixture
+async def peer(ctx: zmq.asyncio.Context, tmp_path: Path) -> AsyncIterator[ScriptedCoordinator]:
+    scripted = ScriptedCoordinator(ctx, tmp_path)
+    yield scripted
+    scripted.close()
+
+
+def make_agent(peer: ScriptedCoordinator, **options: Any) -> EngineAgent:
+    options.setdefault("handshake_timeout_s", STEP)
+    options.setdefault("ready_timeout_s", STEP)
+    options.setdefault("accept_timeout_s", STEP)
+    options.setdefault("heartbeat_interval_s", None)
+    return EngineAgent(peer.addr["hs"], RANK, **options)
+
+
+async def started_agent(peer: ScriptedCoordinator, **options: Any) -> EngineAgent:
+    agent = make_agent(peer, **options)
+    start = asyncio.ensure_future(agent.start())
+    await peer.handshake_until_ready()
+    if not agent.vllm_shaped:
+        identity = IDENTITY
+        await peer.handshake.send_multipart([identity, pack({"status": "ACCEPTED"})])
+    await asyncio.wait_for(start, STEP)
+    return agent
+
+
+# ---------------------------------------------------------------- handshake bytes
+
+
+async def test_vllm_shaped_startup_sends_vllms_exact_bytes(peer: ScriptedCoordinator) -> None:
+    agent = make_agent(peer, vllm_shaped=True, parallel_config_hash="cfg-hash-1")
+    start = asyncio.ensure_future(agent.start())
+    try:
+        identity, hello = await peer.recv(peer.handshake)
+        assert identity == IDENTITY
+        assert hello == VLLM_HELLO
+
+        await peer.handshake.send_multipart([identity, peer.init_payload()])
+
+        # Subscription: exactly one frame, b"\x01".
+        assert await peer.recv(peer.back_publish) == [b"\x01"]
+
+        # Greeting: one frame on every input socket, from the rank's identity.
+        for router in (peer.dispatch, peer.frontend_input):
+            who, greeting = await peer.recv(router)
+            assert who == IDENTITY
+            ready = unpack(greeting)
+            assert list(ready) == READY_RESPONSE_KEYS
+            assert ready["data_parallel_rank"] == RANK
+            assert ready["dp_stats_address"] == peer.addr["front_pub"]
+            assert ready["coordinator_input_address"] == peer.addr["back_pub"]
+            assert ready["coordinator_output_address"] == peer.addr["back_out"]
+
+        # No READY on the handshake until the coordinator's gate opens.
+        assert await peer.nothing_on(peer.handshake)
+        assert not start.done()
+        await peer.back_publish.send(b"READY")
+
+        identity, ready_msg = await peer.recv(peer.handshake)
+        assert identity == IDENTITY
+        assert ready_msg == pack(
+            {
+                "status": "READY",
+                "local": False,
+                "headless": True,
+                "parallel_config_hash": "cfg-hash-1",
+            }
+        )
+        # vLLM engines read no reply to READY; neither does a vllm_shaped agent.
+        await asyncio.wait_for(start, STEP)
+        assert agent.started
+        assert agent.parallel_config["data_parallel_size"] == 2
+        assert agent.parallel_config["_data_parallel_master_port_list"] == [29501, 29502]
+    finally:
+        await agent.close(linger_s=0)
+
+
+async def test_sdk_hello_adds_engine_id_and_protocol_version_and_waits_for_accepted(
+    peer: ScriptedCoordinator,
+) -> None:
+    agent = make_agent(peer, engine_id="engine-abc", local=True, headless=False)
+    start = asyncio.ensure_future(agent.start())
+    try:
+        identity, hello = await peer.recv(peer.handshake)
+        assert unpack(hello) == {
+            "status": "HELLO",
+            "local": True,
+            "headless": False,
+            "engine_id": "engine-abc",
+            "protocol_version": 1,
+        }
+        # The three vLLM keys come first, in vLLM's order.
+        assert list(unpack(hello))[:3] == ["status", "local", "headless"]
+        await peer.handshake.send_multipart([identity, peer.init_payload()])
+        assert await peer.recv(peer.back_publish) == [b"\x01"]
+        await peer.recv(peer.dispatch)
+        await peer.recv(peer.frontend_input)
+        await peer.back_publish.send(b"READY")
+        _, ready = await peer.recv(peer.handshake)
+        # No hash configured: no hash key.
+        assert unpack(ready) == {"status": "READY", "local": True, "headless": False}
+        await asyncio.sleep(0.1)
+        assert not start.done(), "an SDK agent waits for the reply to READY"
+        await peer.handshake.send_multipart([identity, pack({"status": "ACCEPTED"})])
+        await asyncio.wait_for(start, STEP)
+    finally:
+        await agent.close(linger_s=0)
+
+
+async def test_a_default_engine_id_is_fresh_per_agent(peer: ScriptedCoordinator) -> None:
+    first = make_agent(peer)
+    second = make_agent(peer)
+    assert first.engine_id and second.engine_id and first.engine_id != second.engine_id
+    assert make_agent(peer, vllm_shaped=True).engine_id is None
+
+
+async def test_refused_hello_raises_with_the_coordinators_reason(
+    peer: ScriptedCoordinator,
+) -> None:
+    agent = make_agent(peer)
+    start = asyncio.ensure_future(agent.start())
+    identity, _ = await peer.recv(peer.handshake)
+    reason = "Engine ID mismatch for dp_rank=1: expected a, got b. Stop the other engine."
+    await peer.handshake.send_multipart([identity, pack({"status": "ERROR", "reason": reason})])
+    with pytest.raises(EngineRefused) as caught:
+        await asyncio.wait_for(start, STEP)
+    assert caught.value.reason == reason
+    assert caught.value.stage == "HELLO"
+    assert reason in str(caught.value)
+
+
+async def test_refused_ready_raises(peer: ScriptedCoordinator) -> None:
+    agent = make_agent(peer, parallel_config_hash="other")
+    start = asyncio.ensure_future(agent.start())
+    ready = await peer.handshake_until_ready()
+    assert ready["parallel_config_hash"] == "other"
+    reason = "parallel_config_hash mismatch"
+    await peer.handshake.send_multipart([IDENTITY, pack({"status": "ERROR", "reason": reason})])
+    with pytest.raises(EngineRefused) as caught:
+        await asyncio.wait_for(start, STEP)
+    assert (caught.value.reason, caught.value.stage) == (reason, "READY")
+
+
+async def test_no_ready_gate_is_a_clear_timeout(peer: ScriptedCoordinator) -> None:
+    agent = make_agent(peer, ready_timeout_s=0.3)
+    start = asyncio.ensure_future(agent.start())
+    identity, _ = await peer.recv(peer.handshake)
+    began = time.monotonic()
+    await peer.handshake.send_multipart([identity, peer.init_payload()])
+    with pytest.raises(EngineStartupTimeout) as caught:
+        await asyncio.wait_for(start, STEP)
+    assert 0.25 < time.monotonic() - began < 2.0
+    assert caught.value.stage == "coordinator_ready"
+    message = str(caught.value)
+    assert peer.addr["back_pub"] in message and "all 2 ranks" in message
+    # The agent never claimed READY on the handshake.
+    assert await peer.nothing_on(peer.handshake)
+
+
+async def test_no_init_reply_is_a_clear_timeout(peer: ScriptedCoordinator) -> None:
+    agent = make_agent(peer, handshake_timeout_s=0.2)
+    with pytest.raises(EngineStartupTimeout) as caught:
+        await asyncio.wait_for(agent.start(), STEP)
+    assert caught.value.stage == "init"
+    assert peer.addr["hs"] in str(caught.value)
+
+
+async def test_no_accepted_reply_is_a_clear_timeout(peer: ScriptedCoordinator) -> None:
+    agent = make_agent(peer, accept_timeout_s=0.2)
+    start = asyncio.ensure_future(agent.start())
+    await peer.handshake_until_ready()
+    with pytest.raises(EngineStartupTimeout) as caught:
+        await asyncio.wait_for(start, STEP)
+    assert caught.value.stage == "accept"
+
+
+async def test_a_wave_broadcast_overtaking_ready_is_kept(peer: ScriptedCoordinator) -> None:
+    agent = make_agent(peer, vllm_shaped=True)
+    start = asyncio.ensure_future(agent.start())
+    try:
+        identity, _ = await peer.recv(peer.handshake)
+        await peer.handshake.send_multipart([identity, peer.init_payload()])
+        assert await peer.recv(peer.back_publish) == [b"\x01"]
+        await peer.back_publish.send_multipart([b"\x02", pack([3, 0])])
+        await peer.back_publish.send(b"READY")
+        await peer.recv(peer.handshake)
+        await asyncio.wait_for(start, STEP)
+        request = await agent.recv_request(timeout_s=STEP)
+        assert request == StartDpWave(
+            wave=3, exclude=0, source=FROM_COORDINATOR, frames=(pack([3, 0]),)
+        )
+    finally:
+        await agent.close(linger_s=0)
+
+
+async def test_without_a_coordinator_there_is_no_gate_and_no_wave_traffic(
+    peer: ScriptedCoordinator,
+) -> None:
+    agent = make_agent(peer, vllm_shaped=True)
+    start = asyncio.ensure_future(agent.start())
+    try:
+        identity, _ = await peer.recv(peer.handshake)
+        await peer.handshake.send_multipart([identity, peer.init_payload(coordinator=False)])
+        await peer.recv(peer.dispatch)
+        await peer.handshake.recv_multipart()
+        await asyncio.wait_for(start, STEP)
+        assert not agent.has_coordinator
+        with pytest.raises(RuntimeError, match="no coordinator output"):
+            agent.send_start_wave(1)
+    finally:
+        await agent.close(linger_s=0)
+
+
+# ---------------------------------------------------------------- outbound bytes
+
+
+async def test_outbound_messages_are_vllm_shaped(peer: ScriptedCoordinator) -> None:
+    agent = await started_agent(peer)
+    try:
+        agent.send_stats(waiting=5, running=2, kv_cache_usage=0.25, step_counter=17, current_wave=4)
+        (frame,) = await peer.recv(peer.back_output)
+        message = unpack(frame)
+        assert len(message) == 9
+        assert message[0] == RANK and message[1] == []
+        stats = message[2]
+        assert list(stats) == SCHEDULER_STATS_KEYS
+        assert (stats["num_running_reqs"], stats["num_waiting_reqs"]) == (2, 5)
+        assert (stats["step_counter"], stats["current_wave"]) == (17, 4)
+        assert stats["kv_cache_usage"] == 0.25
+        assert message[3] > 0 and isinstance(message[3], float)
+        assert message[4:] == [None, None, None, None, None]
+        # kv_cache_usage travels as float64, like vLLM's.
+        assert b"\xae" + b"kv_cache_usage" + b"\xcb" in frame
+
+        agent.send_start_wave(8)
+        (frame,) = await peer.recv(peer.back_output)
+        assert frame[:3] == b"\x99\x01\x90" and frame[3:5] == b"\xc0\xcb"
+        assert frame[13:] == b"\xc0\xc0\xc0\x08\xc0"
+
+        agent.send_wave_complete(7)
+        (frame,) = await peer.recv(peer.back_output)
+        assert frame[13:] == b"\xc0\xc0\x07\xc0\xc0"
+
+        agent.send_heartbeat()
+        (frame,) = await peer.recv(peer.back_output)
+        assert unpack(frame)[:3] == [RANK, [], None]
+        assert frame[13:] == b"\xc0" * 5
+
+        agent.send_output(0, EngineCoreOutputs(finished_requests=["r1", "r2"]))
+        (frame,) = await peer.recv(peer.frontend_output)
+        message = unpack(frame)
+        assert message[0] == RANK and message[5] == ["r1", "r2"]
+
+        with pytest.raises(IndexError):
+            agent.send_output(1, EngineCoreOutputs())
+
+        agent.send_engine_dead()
+        assert await peer.recv(peer.frontend_output) == [b"ENGINE_CORE_DEAD"]
+        assert await peer.nothing_on(peer.back_output)
+    finally:
+        await agent.close(linger_s=0)
+
+
+async def test_heartbeats_fill_coordinator_silence_only(peer: ScriptedCoordinator) -> None:
+    agent = await started_agent(peer, heartbeat_interval_s=0.2)
+    try:
+        began = time.monotonic()
+        (frame,) = await peer.recv(peer.back_output, timeout=2.0)
+        assert 0.1 < time.monotonic() - began < 1.0
+        assert unpack(frame)[:3] == [RANK, [], None] and frame[13:] == b"\xc0" * 5
+
+        # Steady traffic keeps heartbeats away.
+        for _ in range(6):
+            agent.send_stats(waiting=1, running=1, kv_cache_usage=0.0)
+            (frame,) = await peer.recv(peer.back_output)
+            assert unpack(frame)[2] is not None
+            await asyncio.sleep(0.07)
+        assert agent.heartbeats_sent == 1
+
+        agent.heartbeats_enabled = False
+        assert await peer.nothing_on(peer.back_output, seconds=0.5)
+    finally:
+        await agent.close(linger_s=0)
+
+
+# ---------------------------------------------------------------- inbound requests
+
+
+async def test_requests_are_decoded_and_junk_is_dropped(peer: ScriptedCoordinator) -> None:
+    agent = await started_agent(peer)
+    try:
+        d = peer.dispatch
+        await peer.back_publish.send_multipart([b"\x02", pack([4, 0])])
+        request = await agent.recv_request(timeout_s=STEP)
+        assert isinstance(request, StartDpWave)
+        assert (request.wave, request.exclude, request.source) == (4, 0, FROM_COORDINATOR)
+
+        await d.send_multipart([IDENTITY, b"\x02", pack([5, None])])
+        request = await agent.recv_request(timeout_s=STEP)
+        assert isinstance(request, StartDpWave)
+        assert (request.wave, request.exclude, request.source) == (5, None, 0)
+
+        await d.send_multipart([IDENTITY, b"\x00", b"opaque-1", b"opaque-2"])
+        request = await agent.recv_request(timeout_s=STEP)
+        assert request == AddRequest(source=0, frames=(b"opaque-1", b"opaque-2"))
+
+        await peer.frontend_input.send_multipart([IDENTITY, b"\x01", pack(["a", "b"])])
+        request = await agent.recv_request(timeout_s=STEP)
+        assert isinstance(request, AbortRequests)
+        assert (request.request_ids, request.source) == (["a", "b"], 1)
+
+        await d.send_multipart([IDENTITY, b"\x03", pack([0, 7, "is_sleeping", []])])
+        request = await agent.recv_request(timeout_s=STEP)
+        assert isinstance(request, UtilityCall)
+        assert (request.client_index, request.call_id, request.method, request.args) == (
+            0,
+            7,
+            "is_sleeping",
+            [],
+        )
+
+        # Junk of every kind; then one good message proves the agent kept reading.
+        await peer.back_publish.send(b"READY")
+        await d.send_multipart([IDENTITY, b"READY"])
+        await d.send_multipart([IDENTITY, b"\x09", b"whatever"])
+        await d.send_multipart([IDENTITY, b"\x04"])
+        await d.send_multipart([IDENTITY, b"\x01", b"\xc1"])
+        await d.send_multipart([IDENTITY, b"\x02", pack(["not", "a wave"])])
+        await d.send_multipart([IDENTITY, b"\x02", pack([1, 0]), b"extra"])
+        await d.send_multipart([IDENTITY, b"\x00"])
+        await d.send_multipart([IDENTITY, b"\x03", pack([0, 1, "too short"])])
+        await peer.back_publish.send_multipart([b"\x02", pack([-1, 0])])
+        await d.send_multipart([IDENTITY, b"\x00", b"good"])
+        request = await agent.recv_request(timeout_s=STEP)
+        assert request == AddRequest(source=0, frames=(b"good",))
+        assert agent.get_request_nowait() is None
+        assert sum(agent.drops.values()) == 8
+        assert agent.drops["unexpected_type"] == 2
+        assert agent.drops["frame_count"] == 2
+    finally:
+        await agent.close(linger_s=0)
+
+
+async def test_recv_request_times_out(peer: ScriptedCoordinator) -> None:
+    agent = await started_agent(peer)
+    try:
+        with pytest.raises(asyncio.TimeoutError):
+            await agent.recv_request(timeout_s=0.05)
+    finally:
+        await agent.close(linger_s=0)
+
+
+# ---------------------------------------------------------------- other event loops
+
+
+def run_with_loop(
+    factory: Callable[[], asyncio.AbstractEventLoop], main: Coroutine[Any, Any, None]
+) -> None:
+    loop = factory()
+    try:
+        loop.run_until_complete(asyncio.wait_for(main, 20))
+    finally:
+        loop.close()
+
+
+async def _full_exchange(tmp_path: Path) -> None:
+    ctx = zmq.asyncio.Context()
+    peer = ScriptedCoordinator(ctx, tmp_path)
+    try:
+        agent = await started_agent(peer, heartbeat_interval_s=0.1)
+        try:
+            await peer.dispatch.send_multipart([IDENTITY, b"\x00", b"p"])
+            assert await agent.recv_request(timeout_s=STEP) == AddRequest(source=0, frames=(b"p",))
+            agent.send_start_wave(0)
+            (frame,) = await peer.recv(peer.back_output)
+            assert unpack(frame)[7] == 0
+            (frame,) = await peer.recv(peer.back_output)  # a heartbeat
+            assert frame[13:] == b"\xc0" * 5
+        finally:
+            await agent.close(linger_s=0)
+    finally:
+        peer.close()
+        ctx.destroy(linger=0)
+
+
+@pytest.mark.parametrize("loop_name", ["asyncio", "uvloop"])
+def test_agent_runs_on_both_event_loops(loop_name: str, tmp_path: Path) -> None:
+    if loop_name == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    else:
+        factory = asyncio.new_event_loop
+    run_with_loop(factory, _full_exchange(tmp_path))
