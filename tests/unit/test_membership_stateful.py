@@ -6,7 +6,7 @@ test works out on its own from the lease as it stood before the call.
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 from typing import Any
 
 from hypothesis import event, settings
@@ -37,6 +37,14 @@ S = RankState
 R = RefusalReason
 
 
+def snapshot(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: snapshot(item) for key, item in value.items()}
+    if isinstance(value, EngineLease):
+        return dataclasses.replace(value)
+    return value
+
+
 def alive(lease: EngineLease | None, now: float) -> bool:
     return lease is not None and lease.state is not S.DEAD and now <= lease.last_seen + TTL
 
@@ -62,7 +70,8 @@ class MembershipMachine(RuleBasedStateMachine):
     # -- helpers --------------------------------------------------------------
 
     def state(self) -> dict[str, Any]:
-        return copy.deepcopy(vars(self.m))
+        """Everything the membership holds, copied (cheaper than deepcopy, same result)."""
+        return {name: snapshot(value) for name, value in vars(self.m).items()}
 
     def in_range(self, rank: int) -> bool:
         return self.m.rank_start <= rank < self.m.rank_start + self.m.rank_count
@@ -292,4 +301,4 @@ class MembershipMachine(RuleBasedStateMachine):
 
 
 TestMembershipMachine = MembershipMachine.TestCase
-TestMembershipMachine.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
+TestMembershipMachine.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
