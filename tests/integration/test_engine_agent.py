@@ -10,8 +10,12 @@ project's codecs, so a codec bug cannot hide on both sides.
 from __future__ import annotations
 
 import asyncio
+import json
+import signal
+import subprocess
+import sys
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +34,16 @@ from coordinator.engine import (
     StartDpWave,
     UtilityCall,
 )
+from coordinator.frontend import FrontendClient
+from coordinator.launch import CoordinatorHandle, launch
 from coordinator.protocol.vllm import EngineCoreOutputs
+from coordinator.sim import (
+    CollectiveHang,
+    SimConfig,
+    SimEngineGroup,
+    SimRequest,
+    encode_sim_request,
+)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -571,3 +584,221 @@ def test_agent_runs_on_both_event_loops(loop_name: str, tmp_path: Path) -> None:
     else:
         factory = asyncio.new_event_loop
     run_with_loop(factory, _full_exchange(tmp_path))
+
+
+# ---------------------------------------------------------------- against the real coordinator
+# A coordinator process (`python -m coordinator serve`), one frontend (the SDK)
+# and simulated engines built on the agent.
+
+
+@pytest.fixture
+def coordinator() -> Iterator[CoordinatorHandle]:
+    handle = launch(engines=2, frontends=1, timeout=20.0)
+    try:
+        yield handle
+    finally:
+        handle.shutdown(timeout=5.0)
+
+
+def sim_config(**overrides: Any) -> SimConfig:
+    options: dict[str, Any] = {
+        "step_time_s": 0.002,
+        "dp_sync_interval": 4,
+        "collective_timeout_s": 3.0,
+        "handshake_timeout_s": STEP,
+        "ready_timeout_s": 10.0,
+        "accept_timeout_s": STEP,
+    }
+    options.update(overrides)
+    return SimConfig(**options)
+
+
+def sim_payload(client: FrontendClient, request_id: str, steps: int) -> list[bytes]:
+    request = SimRequest(request_id, client.client_index, client.wave, steps, time.monotonic_ns())
+    return [encode_sim_request(request)]
+
+
+async def running_group(
+    coordinator: CoordinatorHandle, **overrides: Any
+) -> tuple[FrontendClient, SimEngineGroup]:
+    client = FrontendClient(coordinator.addresses, client_index=0, call_timeout_s=STEP)
+    # INIT waits for the one expected frontend, so it registers first.
+    await client.register()
+    group = SimEngineGroup(coordinator.addresses["handshake"], 2, config=sim_config(**overrides))
+    await asyncio.wait_for(group.start(), 15.0)
+    return client, group
+
+
+async def wait_until(predicate: Callable[[], bool], timeout: float = STEP) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.01)
+
+
+async def test_sim_group_serves_requests_in_lockstep(coordinator: CoordinatorHandle) -> None:
+    client, group = await running_group(coordinator)
+    try:
+        e0, e1 = group.engines
+        # The first request goes to rank 1 while the group is paused: rank 0 gets
+        # no request and must be woken, or rank 1 would hang in the collective.
+        ids = ["first"]
+        await client.submit("first", sim_payload(client, "first", 10), dp_rank=1)
+        for i in range(30):
+            request_id = f"r{i}"
+            ids.append(request_id)
+            await client.submit(request_id, sim_payload(client, request_id, 3 + i % 9))
+        done: set[str] = set()
+        async for finished in client.finished(idle_timeout=STEP):
+            done.add(finished.request_id)
+            if len(done) == len(ids):
+                break
+        assert done == set(ids)
+
+        await wait_until(lambda: not e0.engines_running and not e1.engines_running)
+        assert group.hangs == []
+        assert e0.counters.wakes_applied[:1] == [0]
+        assert e1.counters.start_waves_sent[:1] == [0]
+        assert e0.counters.wave_completes_sent and not e1.counters.wave_completes_sent
+        # Lockstep: both ranks met in every collective and ended in the same wave.
+        assert e0.counters.collectives == e1.counters.collectives > 0
+        assert e0.current_wave == e1.current_wave >= 1
+        assert e0.counters.finished + e1.counters.finished == len(ids)
+        assert e0.counters.finished > 0 and e1.counters.finished > 0
+        await client.wait_for(lambda c: c.wave == e0.current_wave and not c.running)
+    finally:
+        await group.stop()
+        await client.close()
+
+
+async def test_a_peer_that_ignores_the_wake_is_a_detected_hang(
+    coordinator: CoordinatorHandle,
+) -> None:
+    client, group = await running_group(coordinator, collective_timeout_s=0.5)
+    try:
+        e0, e1 = group.engines
+        e0.ignore_start_wave = True
+        began = time.monotonic()
+        await client.submit("stuck", sim_payload(client, "stuck", 5), dp_rank=1)
+        await asyncio.wait_for(e1.done.wait(), STEP)
+        assert 0.5 <= time.monotonic() - began < 3.0
+        (hang,) = e1.hangs
+        assert (hang.rank, hang.missing, hang.arrived) == (1, (0,), (1,))
+        assert isinstance(e1.failed, CollectiveHang)
+        assert e0.hangs == [] and e0.counters.collectives == 0
+        # A dead engine tells its frontends, as vLLM's does.
+        await wait_until(lambda: client.stats["notice.EngineDead"] >= 1)
+    finally:
+        await group.stop()
+        await client.close()
+
+
+async def test_a_frozen_peer_blocks_the_group_until_it_thaws(
+    coordinator: CoordinatorHandle,
+) -> None:
+    client, group = await running_group(coordinator, collective_timeout_s=0.3, on_hang="wait")
+    try:
+        e0, e1 = group.engines
+        await client.submit("long", sim_payload(client, "long", 200), dp_rank=1)
+        await wait_until(lambda: e0.counters.dummy_steps > 2)
+        e0.freeze()
+        await wait_until(lambda: len(e1.hangs) >= 2)
+        assert all(h.missing == (0,) for h in e1.hangs)
+        assert e1.hangs[1].waited_s > e1.hangs[0].waited_s
+        e0.unfreeze()
+        async for finished in client.finished(idle_timeout=STEP):
+            assert finished.request_id == "long"
+            break
+        assert e1.failed is None and e0.hangs == []
+    finally:
+        await group.stop()
+        await client.close()
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def sim_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "coordinator.sim", *args]
+
+
+def test_sim_help_explains_the_commands() -> None:
+    out = subprocess.run(
+        sim_command("--help"), capture_output=True, text=True, timeout=30, check=True
+    ).stdout
+    for word in ("group", "engine", "hub", "collective hang"):
+        assert word in out
+    out = subprocess.run(
+        sim_command("engine", "--help"), capture_output=True, text=True, timeout=30, check=True
+    ).stdout
+    for option in ("--rank", "--addr-file", "--collective", "--on-hang", "--ignore-start-wave"):
+        assert option in out
+
+
+async def test_engine_processes_and_a_killed_peer(
+    coordinator: CoordinatorHandle, tmp_path: Path
+) -> None:
+    """Separate hub and engine processes; kill -9 one mid-wave, the other reports the hang."""
+    client = FrontendClient(coordinator.addresses, client_index=0, call_timeout_s=STEP)
+    await client.register()
+    hub_address = f"ipc://{tmp_path}/hub"
+    common = [
+        "--engines",
+        "2",
+        "--addr-file",
+        coordinator.addr_file,
+        "--step-ms",
+        "2",
+        "--collective",
+        hub_address,
+        "--collective-timeout",
+        "0.5",
+        "--loop",
+        "asyncio",
+    ]
+    hub = subprocess.Popen(
+        sim_command("hub", "--engines", "2", "--bind", hub_address),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    engines = [
+        subprocess.Popen(
+            sim_command("engine", "--rank", str(rank), *common),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        deadline = time.monotonic() + 20.0
+        while sum(e.state == "ready" for e in (await client.query_state()).engines) < 2:
+            assert time.monotonic() < deadline, "engine processes did not get ready"
+            assert all(p.poll() is None for p in engines), "an engine process exited"
+            await asyncio.sleep(0.05)
+        await client.submit("ok", sim_payload(client, "ok", 5))
+        async for finished in client.finished(idle_timeout=15.0):
+            assert finished.request_id == "ok"
+            break
+        await client.submit("long", sim_payload(client, "long", 100_000), dp_rank=1)
+        await wait_until(lambda: client.running)
+        engines[0].kill()
+        engines[0].wait(timeout=STEP)
+        out, err = engines[1].communicate(timeout=15.0)
+        assert engines[1].returncode == 3, err.decode(errors="replace")[-2000:]
+        summary = json.loads(out.decode().strip().splitlines()[-1])
+        assert summary["rank"] == 1
+        assert summary["hangs"] and "missing ranks [0]" in summary["hangs"][0]
+        assert b"COLLECTIVE HANG" in err
+    finally:
+        for process in (*engines, hub):
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in (*engines, hub):
+            try:
+                process.communicate(timeout=STEP)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.communicate()
+        await client.close()
+    assert hub.returncode == 0
