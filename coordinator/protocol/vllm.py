@@ -587,9 +587,7 @@ def encode_start_dp_wave(wave: int, exclude: int | None) -> list[bytes]:
 def decode_start_dp_wave(frames: Sequence[BufferLike]) -> tuple[int, int | None]:
     """Decode START_DP_WAVE frames into `(wave, exclude)`."""
     if len(frames) != 2:
-        raise ProtocolError(
-            f"START_DP_WAVE has 2 frames, got {len(frames)}", reason="frame_count"
-        )
+        raise ProtocolError(f"START_DP_WAVE has 2 frames, got {len(frames)}", reason="frame_count")
     type_frame = bytes(frames[0])
     if type_frame != START_DP_WAVE:
         raise ProtocolError(
