@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from pathlib import Path
@@ -50,6 +52,8 @@ pytestmark = pytest.mark.timeout(30)
 RANK = 1
 IDENTITY = b"\x01\x00"
 STEP = 5.0  # bound on any single wait in these tests
+# A unix socket path holds 107 bytes; leave room for the socket names.
+MAX_IPC_DIR = 80
 
 # vLLM 0.33's HELLO from a headless, non-local engine, byte for byte.
 VLLM_HELLO = bytes.fromhex("83a6737461747573a548454c4c4fa56c6f63616cc2a8686561646c657373c3")
@@ -113,10 +117,10 @@ unpack = msgspec.msgpack.decode
 class ScriptedCoordinator:
     """The coordinator's and one frontend's sockets, driven by the test."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, directory: Path) -> None:
         self.ctx = ctx
         self.addr = {
-            name: f"ipc://{tmp_path}/{name}"
+            name: f"ipc://{directory}/{name}"
             for name in ("hs", "dispatch", "fe_in", "back_pub", "back_out", "fe_out", "front_pub")
         }
         self.handshake = self._bind(zmq.ROUTER, "hs")
@@ -185,6 +189,19 @@ class ScriptedCoordinator:
 
 
 @pytest.fixture
+def ipc_dir(tmp_path: Path) -> Iterator[Path]:
+    """tmp_path, or a short temp dir when tmp_path is too long for a socket path."""
+    if len(str(tmp_path)) <= MAX_IPC_DIR:
+        yield tmp_path
+        return
+    short = Path(tempfile.mkdtemp(prefix="dpa-"))
+    try:
+        yield short
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
+
+
+@pytest.fixture
 async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
     context = zmq.asyncio.Context()
     yield context
@@ -192,8 +209,8 @@ async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
 
 
 @pytest.fixture
-async def peer(ctx: zmq.asyncio.Context, tmp_path: Path) -> AsyncIterator[ScriptedCoordinator]:
-    scripted = ScriptedCoordinator(ctx, tmp_path)
+async def peer(ctx: zmq.asyncio.Context, ipc_dir: Path) -> AsyncIterator[ScriptedCoordinator]:
+    scripted = ScriptedCoordinator(ctx, ipc_dir)
     yield scripted
     scripted.close()
 
@@ -556,9 +573,9 @@ def run_with_loop(
         loop.close()
 
 
-async def _full_exchange(tmp_path: Path) -> None:
+async def _full_exchange(directory: Path) -> None:
     ctx = zmq.asyncio.Context()
-    peer = ScriptedCoordinator(ctx, tmp_path)
+    peer = ScriptedCoordinator(ctx, directory)
     try:
         agent = await started_agent(peer, heartbeat_interval_s=0.1)
         try:
@@ -577,13 +594,13 @@ async def _full_exchange(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("loop_name", ["asyncio", "uvloop"])
-def test_agent_runs_on_both_event_loops(loop_name: str, tmp_path: Path) -> None:
+def test_agent_runs_on_both_event_loops(loop_name: str, ipc_dir: Path) -> None:
     if loop_name == "uvloop":
         uvloop = pytest.importorskip("uvloop")
         factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
     else:
         factory = asyncio.new_event_loop
-    run_with_loop(factory, _full_exchange(tmp_path))
+    run_with_loop(factory, _full_exchange(ipc_dir))
 
 
 # ---------------------------------------------------------------- against the real coordinator
@@ -592,7 +609,7 @@ def test_agent_runs_on_both_event_loops(loop_name: str, tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def coordinator() -> Iterator[CoordinatorHandle]:
+def coordinator_process() -> Iterator[CoordinatorHandle]:
     handle = launch(engines=2, frontends=1, timeout=20.0)
     try:
         yield handle
@@ -619,12 +636,14 @@ def sim_payload(client: FrontendClient, request_id: str, steps: int) -> list[byt
 
 
 async def running_group(
-    coordinator: CoordinatorHandle, **overrides: Any
+    coordinator_process: CoordinatorHandle, **overrides: Any
 ) -> tuple[FrontendClient, SimEngineGroup]:
-    client = FrontendClient(coordinator.addresses, client_index=0, call_timeout_s=STEP)
+    client = FrontendClient(coordinator_process.addresses, client_index=0, call_timeout_s=STEP)
     # INIT waits for the one expected frontend, so it registers first.
     await client.register()
-    group = SimEngineGroup(coordinator.addresses["handshake"], 2, config=sim_config(**overrides))
+    group = SimEngineGroup(
+        coordinator_process.addresses["handshake"], 2, config=sim_config(**overrides)
+    )
     await asyncio.wait_for(group.start(), 15.0)
     return client, group
 
@@ -637,8 +656,10 @@ async def wait_until(predicate: Callable[[], bool], timeout: float = STEP) -> No
         await asyncio.sleep(0.01)
 
 
-async def test_sim_group_serves_requests_in_lockstep(coordinator: CoordinatorHandle) -> None:
-    client, group = await running_group(coordinator)
+async def test_sim_group_serves_requests_in_lockstep(
+    coordinator_process: CoordinatorHandle,
+) -> None:
+    client, group = await running_group(coordinator_process)
     try:
         e0, e1 = group.engines
         # The first request goes to rank 1 while the group is paused: rank 0 gets
@@ -673,9 +694,9 @@ async def test_sim_group_serves_requests_in_lockstep(coordinator: CoordinatorHan
 
 
 async def test_a_peer_that_ignores_the_wake_is_a_detected_hang(
-    coordinator: CoordinatorHandle,
+    coordinator_process: CoordinatorHandle,
 ) -> None:
-    client, group = await running_group(coordinator, collective_timeout_s=0.5)
+    client, group = await running_group(coordinator_process, collective_timeout_s=0.5)
     try:
         e0, e1 = group.engines
         e0.ignore_start_wave = True
@@ -695,9 +716,11 @@ async def test_a_peer_that_ignores_the_wake_is_a_detected_hang(
 
 
 async def test_a_frozen_peer_blocks_the_group_until_it_thaws(
-    coordinator: CoordinatorHandle,
+    coordinator_process: CoordinatorHandle,
 ) -> None:
-    client, group = await running_group(coordinator, collective_timeout_s=0.3, on_hang="wait")
+    client, group = await running_group(
+        coordinator_process, collective_timeout_s=0.3, on_hang="wait"
+    )
     try:
         e0, e1 = group.engines
         await client.submit("long", sim_payload(client, "long", 200), dp_rank=1)
@@ -737,17 +760,17 @@ def test_sim_help_explains_the_commands() -> None:
 
 
 async def test_engine_processes_and_a_killed_peer(
-    coordinator: CoordinatorHandle, tmp_path: Path
+    coordinator_process: CoordinatorHandle, ipc_dir: Path
 ) -> None:
     """Separate hub and engine processes; kill -9 one mid-wave, the other reports the hang."""
-    client = FrontendClient(coordinator.addresses, client_index=0, call_timeout_s=STEP)
+    client = FrontendClient(coordinator_process.addresses, client_index=0, call_timeout_s=STEP)
     await client.register()
-    hub_address = f"ipc://{tmp_path}/hub"
+    hub_address = f"ipc://{ipc_dir}/hub"
     common = [
         "--engines",
         "2",
         "--addr-file",
-        coordinator.addr_file,
+        coordinator_process.addr_file,
         "--step-ms",
         "2",
         "--collective",

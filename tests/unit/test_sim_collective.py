@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import random
+import shutil
+import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import msgspec
@@ -19,6 +21,19 @@ pytestmark = pytest.mark.timeout(30)
 
 
 @pytest.fixture
+def ipc_dir(tmp_path: Path) -> Iterator[Path]:
+    """tmp_path, or a short temp dir when tmp_path is too long for a socket path."""
+    if len(str(tmp_path)) <= 90:
+        yield tmp_path
+        return
+    short = Path(tempfile.mkdtemp(prefix="dph-"))
+    try:
+        yield short
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
+
+
+@pytest.fixture
 async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
     context = zmq.asyncio.Context()
     yield context
@@ -26,9 +41,9 @@ async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
 
 
 async def start_hub(
-    ctx: zmq.asyncio.Context, tmp_path: Path, world_size: int, *, rank_start: int = 0
+    ctx: zmq.asyncio.Context, ipc_dir: Path, world_size: int, *, rank_start: int = 0
 ) -> CollectiveHub:
-    hub = CollectiveHub(f"ipc://{tmp_path}/hub", world_size, rank_start=rank_start, context=ctx)
+    hub = CollectiveHub(f"ipc://{ipc_dir}/hub", world_size, rank_start=rank_start, context=ctx)
     await hub.start()
     return hub
 
@@ -43,9 +58,9 @@ def clients(
 
 
 async def test_every_rank_gets_the_sum_of_every_round(
-    ctx: zmq.asyncio.Context, tmp_path: Path
+    ctx: zmq.asyncio.Context, ipc_dir: Path
 ) -> None:
-    hub = await start_hub(ctx, tmp_path, 4)
+    hub = await start_hub(ctx, ipc_dir, 4)
     group = clients(ctx, hub, range(4))
     rng = random.Random(7)
     try:
@@ -71,9 +86,9 @@ async def test_every_rank_gets_the_sum_of_every_round(
 
 
 async def test_ranks_can_be_a_window_of_global_ranks(
-    ctx: zmq.asyncio.Context, tmp_path: Path
+    ctx: zmq.asyncio.Context, ipc_dir: Path
 ) -> None:
-    hub = await start_hub(ctx, tmp_path, 2, rank_start=4)
+    hub = await start_hub(ctx, ipc_dir, 2, rank_start=4)
     group = clients(ctx, hub, range(4, 6))
     try:
         totals = await asyncio.gather(group[0].all_reduce(1, 3), group[1].all_reduce(1, 4))
@@ -85,9 +100,9 @@ async def test_ranks_can_be_a_window_of_global_ranks(
 
 
 async def test_a_missing_rank_is_named_within_the_timeout(
-    ctx: zmq.asyncio.Context, tmp_path: Path
+    ctx: zmq.asyncio.Context, ipc_dir: Path
 ) -> None:
-    hub = await start_hub(ctx, tmp_path, 3)
+    hub = await start_hub(ctx, ipc_dir, 3)
     timeout = 0.3
     c0, c1, c2 = clients(ctx, hub, range(3), timeout_s=timeout)
     try:
@@ -121,9 +136,9 @@ async def test_a_missing_rank_is_named_within_the_timeout(
 
 
 async def test_a_late_rank_completes_the_collective_after_a_hang(
-    ctx: zmq.asyncio.Context, tmp_path: Path
+    ctx: zmq.asyncio.Context, ipc_dir: Path
 ) -> None:
-    hub = await start_hub(ctx, tmp_path, 2)
+    hub = await start_hub(ctx, ipc_dir, 2)
     c0, c1 = clients(ctx, hub, range(2), timeout_s=0.2)
     try:
         with pytest.raises(CollectiveHang) as caught:
@@ -139,10 +154,10 @@ async def test_a_late_rank_completes_the_collective_after_a_hang(
 
 
 async def test_without_a_hub_the_hang_says_the_missing_ranks_are_unknown(
-    ctx: zmq.asyncio.Context, tmp_path: Path
+    ctx: zmq.asyncio.Context, ipc_dir: Path
 ) -> None:
     client = CollectiveClient(
-        f"ipc://{tmp_path}/nobody", 0, timeout_s=0.1, query_timeout_s=0.1, context=ctx
+        f"ipc://{ipc_dir}/nobody", 0, timeout_s=0.1, query_timeout_s=0.1, context=ctx
     )
     try:
         with pytest.raises(CollectiveHang) as caught:
@@ -155,9 +170,9 @@ async def test_without_a_hub_the_hang_says_the_missing_ranks_are_unknown(
 
 
 async def test_the_hub_drops_junk_and_foreign_ranks_and_keeps_serving(
-    ctx: zmq.asyncio.Context, tmp_path: Path
+    ctx: zmq.asyncio.Context, ipc_dir: Path
 ) -> None:
-    hub = await start_hub(ctx, tmp_path, 2)
+    hub = await start_hub(ctx, ipc_dir, 2)
     raw = ctx.socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(hub.address)
