@@ -65,6 +65,9 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.add_argument("--lease-ttl-s", type=float, default=10.0, metavar="S",
                    help="an engine with no traffic for this long is declared dead "
                    "(default 10)")
+    p.add_argument("--handshake-timeout-s", type=float, default=1800.0, metavar="S",
+                   help="how long an engine may take between HELLO and READY; vLLM loads "
+                   "its model there, silently (default 1800)")
     p.add_argument("--policy", default="least-loaded", choices=["least-loaded", "p2c"],
                    help="how submitted requests pick a rank (default least-loaded)")
     p.add_argument("--master-ip", default=None,
@@ -159,6 +162,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         publish_interval_s=args.publish_interval_ms / 1000.0,
         heartbeat_s=args.heartbeat_s,
         lease_ttl_s=args.lease_ttl_s,
+        handshake_timeout_s=args.handshake_timeout_s,
         policy=args.policy,
         master_ip=args.master_ip,
         master_port=args.master_port,

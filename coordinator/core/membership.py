@@ -8,8 +8,11 @@ The coordinator serves a fixed range of global DP ranks,
 lease is kept alive by the engine's traffic; the server calls ``touch`` (or
 ``greeted``) when something arrives from the rank, and ``expire(now)`` on a
 timer. A lease is *alive* while its state is not DEAD and
-``now <= last_seen + lease_ttl_s``. A lease that is not alive no longer blocks
-its rank: the next HELLO for that rank replaces it.
+``now <= last_seen + ttl``, where ``ttl`` is ``lease_ttl_s`` except while
+HANDSHAKING, when it is the longer ``handshake_ttl_s``: a vLLM engine loads its
+model between INIT and READY and says nothing for minutes meanwhile. A lease
+that is not alive no longer blocks its rank: the next HELLO for that rank
+replaces it.
 
 Every registration gets an ``incarnation`` number, strictly increasing per
 rank, so that the server can tell a restarted engine from the one it replaced
@@ -229,7 +232,14 @@ def _seconds(value: float) -> str:
 class Membership:
     """The leases of one coordinator's rank range, and the rules that change them."""
 
-    def __init__(self, *, rank_start: int, rank_count: int, lease_ttl_s: float) -> None:
+    def __init__(
+        self,
+        *,
+        rank_start: int,
+        rank_count: int,
+        lease_ttl_s: float,
+        handshake_ttl_s: float | None = None,
+    ) -> None:
         if rank_start < 0 or rank_count < 0 or rank_start + rank_count - 1 > MAX_RANK:
             raise ValueError(
                 f"rank range [{rank_start}, {rank_start + rank_count}) does not fit "
@@ -237,9 +247,14 @@ class Membership:
             )
         if not (math.isfinite(lease_ttl_s) and lease_ttl_s > 0):
             raise ValueError(f"lease_ttl_s must be a positive number, got {lease_ttl_s}")
+        if handshake_ttl_s is not None and not (
+            math.isfinite(handshake_ttl_s) and handshake_ttl_s > 0
+        ):
+            raise ValueError(f"handshake_ttl_s must be a positive number, got {handshake_ttl_s}")
         self._rank_start = rank_start
         self._rank_count = rank_count
         self._lease_ttl_s = lease_ttl_s
+        self._handshake_ttl_s = handshake_ttl_s if handshake_ttl_s is not None else lease_ttl_s
         self._group_config_hash: str | None = None
         self._leases: dict[int, EngineLease] = {}
         # Outlives the leases (and resizes), so incarnations never repeat per rank.
@@ -291,7 +306,7 @@ class Membership:
             for rank in sorted(self._leases)
             if (lease := self._leases[rank]).state is RankState.READY
             and lease.dispatch_connected
-            and is_alive(lease, now, self._lease_ttl_s)
+            and self._alive(lease, now)
         ]
 
     def all_ready(self, *, now: float | None = None) -> bool:
@@ -302,7 +317,7 @@ class Membership:
             lease = self._leases.get(rank)
             if lease is None or lease.state is not RankState.READY:
                 return False
-            if not is_alive(lease, now, self._lease_ttl_s):
+            if not self._alive(lease, now):
                 return False
         return True
 
@@ -473,8 +488,13 @@ class Membership:
 
     # -- internals -------------------------------------------------------------
 
+    def _ttl(self, lease: EngineLease) -> float:
+        if lease.state is RankState.HANDSHAKING:
+            return self._handshake_ttl_s
+        return self._lease_ttl_s
+
     def _alive(self, lease: EngineLease, now: float | None) -> bool:
-        return is_alive(lease, now, self._lease_ttl_s)
+        return is_alive(lease, now, self._ttl(lease))
 
     def _apply(self, lease: EngineLease, event: LeaseEvent, cause: str) -> list[RankChanged]:
         new = NEXT_STATE.get((lease.state, event))
@@ -526,7 +546,7 @@ class Membership:
     def _mismatch_message(self, holder: EngineLease, engine_id: str | None, now: float) -> str:
         rank = holder.rank
         age = _seconds(now - holder.last_seen)
-        left = _seconds(holder.last_seen + self._lease_ttl_s - now)
+        left = _seconds(holder.last_seen + self._ttl(holder) - now)
         return (
             f"Engine ID mismatch for dp_rank={rank}: expected {holder.engine_id}, "
             f"got {engine_id}. dp_rank={rank} is held by a live engine "

@@ -92,6 +92,7 @@ class CoordinatorServer:
             rank_start=config.rank_start,
             rank_count=config.engines,
             lease_ttl_s=config.lease_ttl_s,
+            handshake_ttl_s=config.handshake_timeout_s,
         )
         self.waves = WaveState(lockstep=config.lockstep)
         self.loads = LoadTable(config.rank_start + config.engines)

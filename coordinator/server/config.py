@@ -26,6 +26,8 @@ class ServerConfig:
     heartbeat_s: float = 5.0
     first_publish_delay_s: float = 0.05
     lease_ttl_s: float = 10.0
+    handshake_timeout_s: float = 1800.0
+    """How long a rank may sit between HELLO and READY (vLLM loads its model there)."""
     policy: str = "least-loaded"
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_in_flight: int = 1_000_000

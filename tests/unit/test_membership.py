@@ -752,3 +752,32 @@ def test_is_alive() -> None:
     assert is_alive(_lease("a"), None, 5.0)
     assert not is_alive(_lease("a", S.DEAD), 0.0, 5.0)
     assert not is_alive(_lease("a", S.DEAD), None, 5.0)
+
+
+# -- handshake TTL ---------------------------------------------------------------
+
+
+def test_handshaking_lease_lives_for_the_handshake_ttl_not_the_lease_ttl() -> None:
+    """A vLLM engine is silent while it loads its model between INIT and READY."""
+    m = Membership(rank_start=0, rank_count=1, lease_ttl_s=10.0, handshake_ttl_s=600.0)
+    assert isinstance(m.hello(0, engine_id=None, local=True, headless=False, now=0.0), Accepted)
+    assert m.expire(300.0) == []
+    assert isinstance(m.ready(0, parallel_config_hash="h", now=300.0), Accepted)
+    # Once READY, the ordinary lease TTL applies again.
+    changes = m.expire(311.0)
+    assert [(c.rank, c.new) for c in changes] == [(0, RankState.DEAD)]
+
+
+def test_handshaking_lease_expires_after_the_handshake_ttl() -> None:
+    m = Membership(rank_start=0, rank_count=1, lease_ttl_s=10.0, handshake_ttl_s=60.0)
+    m.hello(0, engine_id="a", local=True, headless=False, now=0.0)
+    refused = m.hello(0, engine_id="b", local=True, headless=False, now=30.0)
+    assert isinstance(refused, Refused)
+    assert "expires in 30.0 s" in refused.message
+    assert [c.new for c in m.expire(60.5)] == [RankState.DEAD]
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf")])
+def test_handshake_ttl_must_be_positive_and_finite(bad: float) -> None:
+    with pytest.raises(ValueError, match="handshake_ttl_s"):
+        Membership(rank_start=0, rank_count=1, lease_ttl_s=1.0, handshake_ttl_s=bad)
