@@ -886,7 +886,8 @@ class SimEngine:
             "dropped": c.dropped,
             "start_waves_sent": c.start_waves_sent[-20:],
             "wave_completes_sent": c.wave_completes_sent[-20:],
-            "hangs": [str(h) for h in self.hangs],
+            "hang_count": len(self.hangs),
+            "hangs": [str(h) for h in self.hangs[-10:]],
             "failed": None if self.failed is None else str(self.failed),
         }
 

@@ -656,10 +656,11 @@ async def wait_until(predicate: Callable[[], bool], timeout: float = STEP) -> No
         await asyncio.sleep(0.01)
 
 
+@pytest.mark.parametrize("vllm_shaped", [False, True], ids=["sdk", "vllm-shaped"])
 async def test_sim_group_serves_requests_in_lockstep(
-    coordinator_process: CoordinatorHandle,
+    coordinator_process: CoordinatorHandle, vllm_shaped: bool
 ) -> None:
-    client, group = await running_group(coordinator_process)
+    client, group = await running_group(coordinator_process, vllm_shaped=vllm_shaped)
     try:
         e0, e1 = group.engines
         # The first request goes to rank 1 while the group is paused: rank 0 gets
@@ -737,6 +738,34 @@ async def test_a_frozen_peer_blocks_the_group_until_it_thaws(
     finally:
         await group.stop()
         await client.close()
+
+
+async def test_dense_sim_engines_report_loads_without_waves() -> None:
+    handle = launch(engines=2, frontends=1, lockstep=False, timeout=20.0)
+    try:
+        client, group = await running_group(handle, lockstep=False)
+        try:
+            ids = [f"d{i}" for i in range(12)]
+            for request_id in ids:
+                await client.submit(request_id, sim_payload(client, request_id, 4))
+            done = set()
+            async for finished in client.finished(idle_timeout=STEP):
+                done.add(finished.request_id)
+                if len(done) == len(ids):
+                    break
+            assert done == set(ids)
+            for engine in group.engines:
+                assert engine.counters.collectives == engine.counters.dummy_steps == 0
+                assert engine.counters.start_waves_sent == []
+                assert engine.counters.wave_completes_sent == []
+                assert engine.current_wave == 0
+                assert engine.counters.finished > 0
+            assert client.wave == 0 and not client.running
+        finally:
+            await group.stop()
+            await client.close()
+    finally:
+        handle.shutdown(timeout=5.0)
 
 
 # ---------------------------------------------------------------- the command line
