@@ -454,6 +454,7 @@ class SimConfig:
     publish_stats: bool = True
     # Agent options.
     vllm_shaped: bool = False
+    #: HELLO's engine_id; None: a fresh random one. A group appends "-<rank>".
     engine_id: str | None = None
     parallel_config_hash: str | None = None
     heartbeat_interval_s: float | None = 2.0
@@ -551,6 +552,7 @@ class SimEngine:
 
         self._waiting: deque[_Active] = deque()
         self._running: dict[str, _Active] = {}
+        self._held: set[str] = set()  # ids waiting or running
         self._last_counts = (0, 0)
         self._seq = 0
         self._unfrozen = asyncio.Event()
@@ -715,6 +717,7 @@ class SimEngine:
             active.remaining -= 1
             if active.remaining <= 0:
                 del self._running[request_id]
+                self._held.discard(request_id)
                 finished.setdefault(active.request.client_index, []).append(request_id)
         for client_index, request_ids in finished.items():
             self.counters.finished += len(request_ids)
@@ -778,11 +781,10 @@ class SimEngine:
             self.counters.dropped += 1
             logger.warning("rank %d: dropped an ADD this engine cannot run: %s", self.rank, exc)
             return
-        if sim.request_id in self._running or any(
-            a.request.request_id == sim.request_id for a in self._waiting
-        ):
+        if sim.request_id in self._held:
             logger.warning("rank %d: duplicate request id %r ignored", self.rank, sim.request_id)
             return
+        self._held.add(sim.request_id)
         self._waiting.append(_Active(sim, sim.decode_steps))
         self.counters.added += 1
         if not (self.config.lockstep and self.agent.has_coordinator):
@@ -796,8 +798,11 @@ class SimEngine:
 
     def _on_abort(self, request_ids: list[str]) -> None:
         gone: dict[int, list[str]] = {}
-        wanted = set(request_ids)
-        for request_id in request_ids:
+        wanted = self._held.intersection(request_ids)
+        if not wanted:
+            return
+        self._held -= wanted
+        for request_id in wanted:
             active = self._running.pop(request_id, None)
             if active is not None:
                 gone.setdefault(active.request.client_index, []).append(request_id)
@@ -930,7 +935,7 @@ class SimEngineGroup:
             SimEngine(
                 rank,
                 self.handshake_address,
-                config=self.config,
+                config=self._rank_config(rank),
                 collective_address=collective,
                 context=self._context,
             )
@@ -943,6 +948,11 @@ class SimEngineGroup:
         if errors:
             await self.stop()
             raise errors[0]
+
+    def _rank_config(self, rank: int) -> SimConfig:
+        if self.config.engine_id is None:
+            return self.config
+        return replace(self.config, engine_id=f"{self.config.engine_id}-{rank}")
 
     def engine(self, rank: int) -> SimEngine:
         return self.engines[rank - self.config.rank_start]

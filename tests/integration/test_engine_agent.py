@@ -648,6 +648,16 @@ async def running_group(
     return client, group
 
 
+async def finished_ids(client: FrontendClient, count: int, timeout: float = STEP) -> list[str]:
+    """The next `count` finished request ids; fails if they do not all come."""
+    ids: list[str] = []
+    async for finished in client.finished(idle_timeout=timeout):
+        ids.append(finished.request_id)
+        if len(ids) == count:
+            return ids
+    raise AssertionError(f"only {ids} finished; expected {count} requests")
+
+
 async def wait_until(predicate: Callable[[], bool], timeout: float = STEP) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -671,17 +681,14 @@ async def test_sim_group_serves_requests_in_lockstep(
             request_id = f"r{i}"
             ids.append(request_id)
             await client.submit(request_id, sim_payload(client, request_id, 3 + i % 9))
-        done: set[str] = set()
-        async for finished in client.finished(idle_timeout=STEP):
-            done.add(finished.request_id)
-            if len(done) == len(ids):
-                break
-        assert done == set(ids)
+        assert sorted(await finished_ids(client, len(ids))) == sorted(ids)
 
         await wait_until(lambda: not e0.engines_running and not e1.engines_running)
         assert group.hangs == []
         assert e0.counters.wakes_applied[:1] == [0]
         assert e1.counters.start_waves_sent[:1] == [0]
+        # Rank 0 was woken without a request of its own: it mirrors the edge.
+        assert e0.counters.start_waves_sent[:1] == [0]
         assert e0.counters.wave_completes_sent and not e1.counters.wave_completes_sent
         # Lockstep: both ranks met in every collective and ended in the same wave.
         assert e0.counters.collectives == e1.counters.collectives > 0
@@ -731,10 +738,27 @@ async def test_a_frozen_peer_blocks_the_group_until_it_thaws(
         assert all(h.missing == (0,) for h in e1.hangs)
         assert e1.hangs[1].waited_s > e1.hangs[0].waited_s
         e0.unfreeze()
-        async for finished in client.finished(idle_timeout=STEP):
-            assert finished.request_id == "long"
-            break
+        assert await finished_ids(client, 1) == ["long"]
         assert e1.failed is None and e0.hangs == []
+    finally:
+        await group.stop()
+        await client.close()
+
+
+async def test_an_abort_ends_the_request_and_then_the_wave(
+    coordinator_process: CoordinatorHandle,
+) -> None:
+    client, group = await running_group(coordinator_process)
+    try:
+        e0, e1 = group.engines
+        await client.submit("endless", sim_payload(client, "endless", 10_000_000), dp_rank=1)
+        await wait_until(lambda: e1.num_running == 1 and e0.engines_running)
+        assert await client.abort(["endless"]) == ["endless"]
+        assert await finished_ids(client, 1) == ["endless"]
+        assert e1.counters.aborted == 1 and e1.counters.finished == 0
+        await wait_until(lambda: e0.current_wave == e1.current_wave == 1)
+        assert e0.counters.wave_completes_sent == [0]
+        assert group.hangs == []
     finally:
         await group.stop()
         await client.close()
@@ -748,12 +772,7 @@ async def test_dense_sim_engines_report_loads_without_waves() -> None:
             ids = [f"d{i}" for i in range(12)]
             for request_id in ids:
                 await client.submit(request_id, sim_payload(client, request_id, 4))
-            done = set()
-            async for finished in client.finished(idle_timeout=STEP):
-                done.add(finished.request_id)
-                if len(done) == len(ids):
-                    break
-            assert done == set(ids)
+            assert sorted(await finished_ids(client, len(ids))) == sorted(ids)
             for engine in group.engines:
                 assert engine.counters.collectives == engine.counters.dummy_steps == 0
                 assert engine.counters.start_waves_sent == []
@@ -829,9 +848,7 @@ async def test_engine_processes_and_a_killed_peer(
             assert all(p.poll() is None for p in engines), "an engine process exited"
             await asyncio.sleep(0.05)
         await client.submit("ok", sim_payload(client, "ok", 5))
-        async for finished in client.finished(idle_timeout=15.0):
-            assert finished.request_id == "ok"
-            break
+        assert await finished_ids(client, 1, timeout=15.0) == ["ok"]
         await client.submit("long", sim_payload(client, "long", 100_000), dp_rank=1)
         await wait_until(lambda: client.running)
         engines[0].kill()
