@@ -1,0 +1,160 @@
+"""The `demo` and `status` commands, run as a user would: as subprocesses."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from coordinator.launch import launch
+from coordinator.sim import SimConfig, SimEngineGroup
+
+pytestmark = pytest.mark.timeout(120)
+
+DEMO_TIMEOUT = 90.0
+
+
+def cli() -> list[str]:
+    """`dp-coordinator` from this virtualenv, or the module when it is not installed."""
+    script = Path(sys.executable).with_name("dp-coordinator")
+    if script.exists():
+        return [str(script)]
+    return [sys.executable, "-m", "coordinator"]
+
+
+def run_bounded(args: Sequence[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run in its own process group; on timeout kill the whole group (children too)."""
+    process = subprocess.Popen(
+        list(args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        out, err = process.communicate(timeout=10)
+        pytest.fail(f"{' '.join(args)} did not finish within {timeout} s\n"
+                    f"stdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}")
+    finally:
+        if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait(10)
+    return subprocess.CompletedProcess(list(args), process.returncode, out, err)
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    # ipc socket paths must fit in 108 bytes; pytest's tmp_path may not.
+    path = Path(tempfile.mkdtemp(prefix="dpd-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def test_demo_runs_end_to_end_and_loses_nothing(tmp_path: Path) -> None:
+    summary_file = tmp_path / "summary.json"
+    result = run_bounded(
+        [sys.executable, "-m", "coordinator", "demo", "--duration", "3", "--no-live",
+         "--engines", "2", "--frontends", "2", "--seed", "7", "--json", str(summary_file)],
+        DEMO_TIMEOUT,
+    )
+    report = f"stdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-4000:]}"
+    assert result.returncode == 0, report
+    assert "lost = 0" in result.stdout, report
+    assert "hang = no" in result.stdout, report
+    data = json.loads(summary_file.read_text())
+    summary = data["summary"]
+    assert data["healthy"] is True and data["hang_detected"] is False
+    assert summary["lost"] == 0 and summary["failed"] == 0
+    assert summary["submitted"] > 100  # 3 s at the default 200/s
+    assert summary["completed"] == summary["submitted"]
+    assert set(summary["per_rank"]) == {"0", "1"}
+    assert summary["wakes"] >= 1 and summary["waves_completed"] >= 1
+    assert summary["balance_ratio"] > 0.5
+    assert len(data["engines"]) == 2 and all(not e["hangs"] for e in data["engines"])
+
+
+def test_demo_dense_mode_over_tcp(tmp_path: Path) -> None:
+    summary_file = tmp_path / "summary.json"
+    result = run_bounded(
+        [sys.executable, "-m", "coordinator", "demo", "--duration", "2", "--no-live",
+         "--engines", "3", "--frontends", "1", "--rate", "100", "--host", "127.0.0.1",
+         "--no-wave-coordination", "--json", str(summary_file)],
+        DEMO_TIMEOUT,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    summary = json.loads(summary_file.read_text())["summary"]
+    assert summary["lost"] == 0 and summary["completed"] == summary["submitted"] > 0
+    # Dense mode: no waves and no wakes.
+    assert summary["waves_completed"] == 0 and summary["wakes"] == 0
+
+
+async def _status(args: Sequence[str], timeout: float = 30.0) -> tuple[int, str, str]:
+    process = await asyncio.create_subprocess_exec(
+        *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        out, err = await asyncio.wait_for(process.communicate(), timeout)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    return int(process.returncode or 0), out.decode(), err.decode()
+
+
+async def test_status_json_lists_the_ranks(short_tmp: Path) -> None:
+    addr_file = short_tmp / "addresses.json"
+    handle = launch(engines=3, addr_file=str(addr_file),
+                    extra_args=["--ipc-dir", str(short_tmp / "ipc")], timeout=20.0)
+    group = SimEngineGroup(handle.addresses["handshake"], 3,
+                           config=SimConfig(step_time_s=0.002, collective_timeout_s=5.0))
+    try:
+        code, out, err = await _status([*cli(), "status", "--addr-file", str(addr_file),
+                                        "--json"])
+        assert code == 0, err
+        before = json.loads(out)
+        assert [e["rank"] for e in before["engines"]] == [0, 1, 2]
+        assert {e["state"] for e in before["engines"]} == {"absent"}
+
+        await asyncio.wait_for(group.start(), 20.0)
+        code, out, err = await _status([*cli(), "status", "--addr-file", str(addr_file),
+                                        "--json"])
+        assert code == 0, err
+        state = json.loads(out)
+        assert (state["rank_start"], state["rank_count"]) == (0, 3)
+        assert [e["rank"] for e in state["engines"]] == [0, 1, 2]
+        assert [e["state"] for e in state["engines"]] == ["ready"] * 3
+        assert state["lockstep"] is True and isinstance(state["counters"], dict)
+
+        code, out, err = await _status([*cli(), "status", "--addr-file", str(addr_file)])
+        assert code == 0, err
+        assert "ready" in out and "wave" in out
+    finally:
+        await asyncio.wait_for(group.stop(), 20.0)
+        handle.shutdown(timeout=5.0)
+
+
+async def test_status_without_an_answer_exits_1(short_tmp: Path) -> None:
+    addr_file = short_tmp / "addresses.json"
+    # A well-formed file naming a socket nobody binds.
+    addr_file.write_text(json.dumps({"frontend": f"ipc://{short_tmp}/nobody"}))
+    code, out, err = await _status([*cli(), "status", "--addr-file", str(addr_file),
+                                    "--timeout", "0.5"])
+    assert code == 1 and out == ""
+    assert "did not answer within 0.5 s" in err
+
+    code, _out, err = await _status([*cli(), "status", "--addr-file",
+                                     str(short_tmp / "missing.json")])
+    assert code == 1 and "no address file" in err
