@@ -1,0 +1,107 @@
+"""Shared fixtures: coordinator processes on ipc or tcp, and a ZMQ context.
+
+    def test_something(coordinator, zmq_ctx):
+        handle = coordinator(engines=4, transport="tcp", extra_args=["--heartbeat-s", "0.5"])
+        handle.addresses["handshake"]   # where engines connect
+
+Every process started through `coordinator` is shut down in teardown; if it
+died during the test, its stderr is printed so the failure report shows why.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Protocol
+
+import pytest
+import zmq
+
+from coordinator.launch import CoordinatorHandle, launch
+
+TRANSPORTS = ("ipc", "tcp")
+
+# sun_path holds 108 bytes; leave room for the longest socket key.
+_MAX_IPC_DIR = 80
+
+
+class CoordinatorFactory(Protocol):
+    def __call__(
+        self,
+        engines: int,
+        *,
+        transport: str = "ipc",
+        frontends: int = 0,
+        lockstep: bool = True,
+        rank_start: int = 0,
+        extra_args: Sequence[str] = (),
+    ) -> CoordinatorHandle: ...
+
+
+@pytest.fixture
+def zmq_ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
+    """A private ZMQ context; every socket on it is closed (linger 0) in teardown."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        yield ctx
+    finally:
+        ctx.destroy(linger=0)
+
+
+@pytest.fixture
+def coordinator(tmp_path: Path) -> Iterator[CoordinatorFactory]:
+    """Start `python -m coordinator serve` processes; all are stopped in teardown.
+
+    transport "ipc" binds in a directory under tmp_path (or a short temp dir
+    when tmp_path is too long for a unix socket path); "tcp" binds 127.0.0.1.
+    """
+    started: list[CoordinatorHandle] = []
+    scratch: list[str] = []
+
+    def start(
+        engines: int,
+        *,
+        transport: str = "ipc",
+        frontends: int = 0,
+        lockstep: bool = True,
+        rank_start: int = 0,
+        extra_args: Sequence[str] = (),
+    ) -> CoordinatorHandle:
+        index = len(started)
+        args = list(extra_args)
+        host: str | None = None
+        if transport == "tcp":
+            host = "127.0.0.1"
+        elif transport == "ipc":
+            ipc_dir = str(tmp_path / f"ipc{index}")
+            if len(ipc_dir) > _MAX_IPC_DIR:
+                ipc_dir = tempfile.mkdtemp(prefix="dpc-")
+                scratch.append(ipc_dir)
+            args += ["--ipc-dir", ipc_dir]
+        else:
+            raise ValueError(f"unknown transport {transport!r}")
+        handle = launch(
+            engines=engines,
+            frontends=frontends,
+            rank_start=rank_start,
+            host=host,
+            lockstep=lockstep,
+            addr_file=str(tmp_path / f"addresses{index}.json"),
+            extra_args=args,
+            timeout=20.0,
+        )
+        started.append(handle)
+        return handle
+
+    yield start
+
+    for handle in started:
+        died = handle.returncode
+        code = handle.shutdown(timeout=5.0)
+        if died is not None or code != 0:
+            print(f"coordinator pid {handle.pid} exit code {code} (died during test: "
+                  f"{died is not None}); stderr tail:\n{handle.stderr_text()[-4000:]}")
+    for directory in scratch:
+        shutil.rmtree(directory, ignore_errors=True)
