@@ -5,7 +5,9 @@ Three kinds of process, as in a real deployment:
 1. the coordinator (`python -m coordinator serve`, via `coordinator.launch`);
 2. one process running every simulated engine of the group
    (`python -m coordinator.sim group`), lockstep unless `--no-wave-coordination`;
-3. this process: K frontends (`coordinator.loadgen`) submitting Poisson load.
+3. this process: K frontends (`coordinator.loadgen`) submitting Poisson load in
+   bursts (1.5 s of load, 1 s quiet, mean rate `--rate`), so that in lockstep
+   mode the group pauses between bursts and every burst begins with a wake.
 
 While the load runs, a live view shows every rank's published load, its state
 from a state query, how many requests went to it and finished on it, and the
@@ -46,6 +48,13 @@ EXIT_OK = 0
 EXIT_UNHEALTHY = 1
 EXIT_SETUP = 2
 EXIT_INTERRUPTED = 130
+
+# Load comes in bursts with quiet gaps long enough for the group to go idle, so a
+# lockstep run shows many waves, each started by a wake. The longest request
+# (DEMO_STEPS_MAX steps of 5 ms) fits in a gap.
+DEMO_BURST_ON_S = 1.5
+DEMO_BURST_OFF_S = 1.0
+DEMO_STEPS_MAX = 128
 
 # The sim's exit status when an engine died of a collective hang.
 _SIM_EXIT_HANG = 3
@@ -235,6 +244,8 @@ def summary_tables(result: DemoResult) -> Group:
             ("submits that woke the group", str(s.wakes)),
             ("wake: submit -> reply p50 / p99",
              f"{_fmt(s.wake_reply_ms_p50, ' ms')} / {_fmt(s.wake_reply_ms_p99, ' ms')}"),
+            ("wake: submit -> running published p50 / p99",
+             f"{_fmt(s.wake_running_ms_p50, ' ms')} / {_fmt(s.wake_running_ms_p99, ' ms')}"),
             ("wake: submit -> finish p50 / p99",
              f"{_fmt(s.wake_finish_ms_p50, ' ms')} / {_fmt(s.wake_finish_ms_p99, ' ms')}"),
             ("all: submit -> reply p50 / p99",
@@ -284,6 +295,9 @@ async def _run(args: argparse.Namespace, console: Console, result: DemoResult,
         duration_s=args.duration,
         seed=args.seed,
         host=args.host,
+        burst_on_s=DEMO_BURST_ON_S,
+        burst_off_s=DEMO_BURST_OFF_S,
+        steps_max=DEMO_STEPS_MAX,
     )
     gen = LoadGenerator(coordinator.addresses, config)
     try:
@@ -325,6 +339,9 @@ async def _run(args: argparse.Namespace, console: Console, result: DemoResult,
             state = await gen.clients[0].query_state(timeout=2.0)
             result.coordinator_counters = dict(state.counters)
     finally:
+        if result.summary is None and gen.records:
+            # Interrupted or failed mid-run: still say what happened so far.
+            result.summary = gen.summary()
         await gen.close()
 
 

@@ -12,18 +12,23 @@ not wait for the previous one's reply (as with real API traffic), up to
 as `skipped` rather than queued without bound. Load stops at `duration_s` or after
 `max_requests` arrivals, whichever comes first.
 
+With `burst_on_s`/`burst_off_s` the same process runs only during bursts,
+separated by quiet gaps (the mean rate over the whole run is still `rate`): in
+lockstep mode the group pauses in each gap, so every burst starts with a wake.
+
 Request lengths: `decode_steps` is log-normal (median `steps_median`, shape
 `steps_sigma`), clipped to `[steps_min, steps_max]`, so most requests are short and
 a few are long, like chat traffic.
 
 What is measured, per request: submit time, the rank the coordinator chose, the
-reply time, whether that submit woke the paused group (`Submitted.woke`), the
-time its finish arrived on the frontend's output socket, and failures
-(`RequestsFailed` notices, refusals, timeouts). After the load stops, the
-generator waits up to `drain_timeout_s` for every accepted request to finish or be
-reported failed; whatever is left is *lost*, which must be 0 in a healthy run.
-While requests are outstanding, `stall_s` seconds without a single completion is
-recorded as a stall (the symptom of a lockstep hang).
+reply time, whether that submit woke the paused group (`Submitted.woke`) and, for
+those, when a publish first said that wave is running; the time its finish
+arrived on the frontend's output socket, and failures (`RequestsFailed` notices,
+refusals, timeouts). After the load stops, the generator waits up to
+`drain_timeout_s` for every accepted request to finish or be reported failed;
+whatever is left is *lost*, which must be 0 in a healthy run. While requests are
+outstanding, `stall_s` seconds without a single completion is recorded as a stall
+(the symptom of a lockstep hang).
 """
 
 from __future__ import annotations
@@ -81,6 +86,10 @@ class LoadConfig:
     stall_s: float = 5.0
     submit_timeout_s: float = 5.0
     max_outstanding_submits: int = 10_000
+    burst_on_s: float | None = None
+    """With `burst_off_s`: arrivals come in bursts this long separated by quiet gaps,
+    so a lockstep group pauses and must be woken again; the mean rate stays `rate`."""
+    burst_off_s: float = 0.0
     seed: int | None = None
     host: str | None = None
     """Bind frontend output sockets on tcp `host` instead of ipc."""
@@ -92,6 +101,10 @@ class LoadConfig:
             raise ValueError(f"rate must be a positive number, got {self.rate}")
         if not self.duration_s > 0:
             raise ValueError(f"duration must be positive, got {self.duration_s}")
+        if self.burst_on_s is not None and not self.burst_on_s > 0:
+            raise ValueError(f"burst_on_s must be positive, got {self.burst_on_s}")
+        if self.burst_off_s < 0:
+            raise ValueError(f"burst_off_s must be >= 0, got {self.burst_off_s}")
         if not 1 <= self.steps_min <= self.steps_max:
             raise ValueError("need 1 <= steps_min <= steps_max")
 
@@ -107,6 +120,8 @@ class RequestRecord:
     replied_at: float | None = None
     rank: int | None = None
     woke: bool = False
+    wave: int = 0
+    """The wave stamped on the submit (the newest this frontend had seen)."""
     finished_at: float | None = None
     finished_rank: int | None = None
     refused: str | None = None
@@ -167,6 +182,9 @@ class LoadSummary:
     wakes: int
     wake_reply_ms_p50: float | None
     wake_reply_ms_p99: float | None
+    wake_running_ms_p50: float | None
+    """From a submit that woke the group to the publish saying that wave runs."""
+    wake_running_ms_p99: float | None
     wake_finish_ms_p50: float | None
     wake_finish_ms_p99: float | None
     latency_ms_p50: float | None
@@ -231,6 +249,8 @@ class LoadGenerator:
         self._drain_ended: float | None = None
         self._submit_tasks: set[asyncio.Task[None]] = set()
         self._all_done = asyncio.Event()
+        # First time any frontend saw wave w published as running.
+        self._running_seen_at: dict[int, float] = {}
         self.phase = "idle"
 
     # ------------------------------------------------------------ setup
@@ -246,6 +266,7 @@ class LoadGenerator:
                 call_timeout_s=self.config.submit_timeout_s,
                 on_finished=self._on_finished,
                 on_notice=self._on_notice,
+                on_publish=self._on_publish,
                 context=self._context,
             )
             for index in range(self.config.frontends)
@@ -342,11 +363,25 @@ class LoadGenerator:
         self.phase = "done"
         return self.summary()
 
+    def _wall_time(self, start: float, on_time: float) -> float:
+        """Map a point on the "load on" clock to wall time, skipping quiet gaps."""
+        on, off = self.config.burst_on_s, self.config.burst_off_s
+        if on is None or off <= 0:
+            return start + on_time
+        bursts, into = divmod(on_time, on)
+        return start + bursts * (on + off) + into
+
     async def _arrivals(self, client: FrontendClient, deadline: float,
                         budget: list[int]) -> None:
-        rate = self.config.rate / self.config.frontends
+        cfg = self.config
+        rate = cfg.rate / cfg.frontends
+        if cfg.burst_on_s is not None and cfg.burst_off_s > 0:
+            # Same mean rate overall: the bursts carry the quiet gaps' share.
+            rate *= (cfg.burst_on_s + cfg.burst_off_s) / cfg.burst_on_s
+        start = self._load_started if self._load_started is not None else time.monotonic()
         seq = 0
-        next_at = time.monotonic() + self.rng.expovariate(rate)
+        on_time = self.rng.expovariate(rate)
+        next_at = self._wall_time(start, on_time)
         while next_at < deadline and budget[0] != 0:
             delay = next_at - time.monotonic()
             if delay > 0:
@@ -355,7 +390,7 @@ class LoadGenerator:
                 break
             if budget[0] > 0:
                 budget[0] -= 1
-            if self._outstanding_submits >= self.config.max_outstanding_submits:
+            if self._outstanding_submits >= cfg.max_outstanding_submits:
                 self.counters["skipped"] += 1
             else:
                 request_id = f"lg-{self._tag}-{client.client_index}-{seq}"
@@ -363,21 +398,22 @@ class LoadGenerator:
                 task = asyncio.ensure_future(self._submit_one(client, request_id))
                 self._submit_tasks.add(task)
                 task.add_done_callback(self._submit_tasks.discard)
-            next_at += self.rng.expovariate(rate)
+            on_time += self.rng.expovariate(rate)
+            next_at = self._wall_time(start, on_time)
 
     async def _submit_one(self, client: FrontendClient, request_id: str) -> None:
         steps = self.draw_steps()
         now = time.monotonic()
-        record = RequestRecord(request_id, client.client_index, steps, now)
+        record = RequestRecord(request_id, client.client_index, steps, now, wave=client.wave)
         self.records[request_id] = record
         payload = encode_sim_request(SimRequest(
-            request_id, client.client_index, client.wave, steps, time.monotonic_ns()))
+            request_id, client.client_index, record.wave, steps, time.monotonic_ns()))
         self._outstanding_submits += 1
         if self._in_flight == 0:
             self._last_progress = now
         self._in_flight += 1
         try:
-            submitted = await client.submit(request_id, [payload])
+            submitted = await client.submit(request_id, [payload], wave=record.wave)
         except SubmitError as exc:
             record.refused = exc.code
             self.counters["refused"] += 1
@@ -426,6 +462,10 @@ class LoadGenerator:
         work = self.work.setdefault(rank, RankWork())
         work.completed += 1
         work.decode_steps += record.decode_steps
+
+    def _on_publish(self, client: FrontendClient) -> None:
+        if client.running and client.wave not in self._running_seen_at:
+            self._running_seen_at[client.wave] = time.monotonic()
 
     def _on_notice(self, notice: Notice) -> None:
         self.notices.append(notice)
@@ -497,6 +537,9 @@ class LoadGenerator:
         wake_replies = [r.replied_at - r.submitted_at for r in woke if r.replied_at is not None]
         wake_finishes = [r.finished_at - r.submitted_at for r in woke
                          if r.finished_at is not None]
+        wake_running = [self._running_seen_at[r.wave] - r.submitted_at for r in woke
+                        if r.wave in self._running_seen_at
+                        and self._running_seen_at[r.wave] >= r.submitted_at]
         refused_by_code = {key.split(".", 1)[1]: n for key, n in self.counters.items()
                            if key.startswith("refused.")}
         per_rank = dict(sorted(self.work.items()))
@@ -533,6 +576,8 @@ class LoadGenerator:
             wakes=len(woke),
             wake_reply_ms_p50=_ms(percentile(wake_replies, 50)),
             wake_reply_ms_p99=_ms(percentile(wake_replies, 99)),
+            wake_running_ms_p50=_ms(percentile(wake_running, 50)),
+            wake_running_ms_p99=_ms(percentile(wake_running, 99)),
             wake_finish_ms_p50=_ms(percentile(wake_finishes, 50)),
             wake_finish_ms_p99=_ms(percentile(wake_finishes, 99)),
             latency_ms_p50=_ms(percentile(latencies, 50)),
