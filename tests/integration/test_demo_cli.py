@@ -11,12 +11,14 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
 
 from coordinator.launch import launch
+from coordinator.loadgen import LoadConfig, LoadGenerator, LoadSummary, percentile
 from coordinator.sim import SimConfig, SimEngineGroup
 
 pytestmark = pytest.mark.timeout(120)
@@ -158,3 +160,59 @@ async def test_status_without_an_answer_exits_1(short_tmp: Path) -> None:
     code, _out, err = await _status([*cli(), "status", "--addr-file",
                                      str(short_tmp / "missing.json")])
     assert code == 1 and "no address file" in err
+
+
+# ---------------------------------------------------------------- the load generator
+
+
+def test_percentile_is_nearest_rank() -> None:
+    assert percentile([], 50) is None
+    assert percentile([3.0], 99) == 3.0
+    values = [float(v) for v in range(1, 101)]
+    assert (percentile(values, 50), percentile(values, 99), percentile(values, 100)) == (
+        50.0, 99.0, 100.0)
+
+
+async def _loadgen_against_sim(short_tmp: Path, config: LoadConfig, *,
+                               ignore_start_wave: bool = False) -> LoadSummary:
+    handle = launch(engines=2, frontends=config.frontends,
+                    addr_file=str(short_tmp / "addresses.json"),
+                    extra_args=["--ipc-dir", str(short_tmp / "ipc")], timeout=20.0)
+    group = SimEngineGroup(handle.addresses["handshake"], 2, config=SimConfig(
+        step_time_s=0.002, collective_timeout_s=1.0, on_hang="wait"))
+    gen = LoadGenerator(handle.addresses, config)
+    try:
+        await asyncio.wait_for(asyncio.gather(gen.start(), group.start()), 20.0)
+        for engine in group.engines:
+            engine.ignore_start_wave = ignore_start_wave
+        await gen.wait_ready(timeout_s=10.0)
+        return await asyncio.wait_for(gen.run(), 30.0)
+    finally:
+        await asyncio.wait_for(gen.close(), 10.0)
+        await asyncio.wait_for(group.stop(), 20.0)
+        handle.shutdown(timeout=5.0)
+
+
+async def test_loadgen_stops_at_the_request_budget(short_tmp: Path) -> None:
+    config = LoadConfig(frontends=2, rate=40.0, duration_s=30.0, max_requests=60, seed=3,
+                        burst_on_s=0.1, burst_off_s=0.4, steps_max=32)
+    started = time.monotonic()
+    summary = await _loadgen_against_sim(short_tmp, config)
+    assert time.monotonic() - started < 20.0  # the count bound ended it, not the 30 s
+    assert summary.arrivals == summary.submitted == summary.completed == 60
+    assert summary.lost == 0 and summary.stalls == 0 and summary.healthy
+    assert sum(w.completed for w in summary.per_rank.values()) == 60
+    # Bursts separated by quiet gaps: the group paused and was woken more than once.
+    assert summary.wakes >= 2 and summary.waves_completed >= 2
+    assert summary.wake_running_ms_p50 is not None
+
+
+async def test_loadgen_reports_a_hang_as_lost_and_stalled(short_tmp: Path) -> None:
+    # Every engine drops START_DP_WAVE: the rank that gets the request runs alone and
+    # waits in the collective for peers that were never woken.
+    config = LoadConfig(frontends=1, rate=50.0, duration_s=5.0, max_requests=1,
+                        drain_timeout_s=2.5, stall_s=1.0)
+    summary = await _loadgen_against_sim(short_tmp, config, ignore_start_wave=True)
+    assert summary.submitted == 1 and summary.wakes == 1
+    assert summary.completed == 0 and summary.lost == 1 and summary.lost_ids
+    assert summary.stalls == 1 and not summary.healthy
