@@ -237,6 +237,9 @@ class FrontendClient:
         self._finished_q: asyncio.Queue[FinishedRequest] = asyncio.Queue(max_queued)
         self._notice_q: asyncio.Queue[Notice] = asyncio.Queue(max_queued)
         self._to_report: list[str] = []
+        # Submits awaiting their reply (by request id), and which of those already finished.
+        self._submitting: dict[str, int] = {}
+        self._finished_early: set[str] = set()
         self._report_due = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._started = False
@@ -390,13 +393,25 @@ class FrontendClient:
             raise ValueError("submit needs at least one payload frame")
         stamped = self._wave if wave is None else wave
         frames = list(payload_frames)
-        reply = await self._call(
-            lambda call_id: [fp.encode(fp.Submit(call_id, request_id, stamped, dp_rank)),
-                             *frames],
-            f"submit {request_id!r}", timeout, SubmitError,
-        )
+        self._submitting[request_id] = self._submitting.get(request_id, 0) + 1
+        try:
+            reply = await self._call(
+                lambda call_id: [fp.encode(fp.Submit(call_id, request_id, stamped, dp_rank)),
+                                 *frames],
+                f"submit {request_id!r}", timeout, SubmitError,
+            )
+        finally:
+            left = self._submitting.pop(request_id, 1) - 1
+            if left > 0:
+                self._submitting[request_id] = left
+            finished_early = request_id in self._finished_early
+            if not left:
+                self._finished_early.discard(request_id)
         submitted = _expect(reply, fp.Submitted, "submit")
-        self.in_flight[submitted.request_id] = submitted.rank
+        if not finished_early:
+            # The engine's output can overtake the coordinator's reply; such a
+            # request is already done and must not linger in `in_flight`.
+            self.in_flight[submitted.request_id] = submitted.rank
         self.stats["submitted"] += 1
         if submitted.woke:
             self.stats["submits_that_woke"] += 1
@@ -590,7 +605,9 @@ class FrontendClient:
             if not ids:
                 continue
             for request_id in ids:
-                self.in_flight.pop(request_id, None)
+                if self.in_flight.pop(request_id, None) is None \
+                        and request_id in self._submitting:
+                    self._finished_early.add(request_id)
                 self._finish(FinishedRequest(request_id, message.engine_index, now))
             self._to_report += ids
             self._report_due.set()
