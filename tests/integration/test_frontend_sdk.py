@@ -457,5 +457,7 @@ async def test_concurrent_first_requests_wake_the_group_once(harness: Harness) -
             await c.wait_for(lambda c, w=paused_after: c.wave == w and not c.running)
             await wait_until(lambda c=c: not c.in_flight, what="finishes")
         await asyncio.sleep(0.1)
-        starts = await _start_waves_seen(sub)
-        assert [s for s in starts if s[0] == wave] == [(wave, woke[0].rank)], starts
+        starts = [s for s in await _start_waves_seen(sub) if s[0] == wave]
+        assert len(starts) == 1, starts
+        # The wake leaves out at most the engine that got the request.
+        assert starts[0][1] in (None, woke[0].rank), starts
