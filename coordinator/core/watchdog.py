@@ -208,6 +208,11 @@ class HangWatchdog:
         """Conditions firing as of the last check or observation, in kind order."""
         return [self._active[kind] for kind in ALERT_KINDS if kind in self._active]
 
+    def report_age(self, rank: int, now: float) -> float | None:
+        """Seconds since ``rank``'s last stats report (None: it never reported)."""
+        report = self._reports.get(rank)
+        return None if report is None else now - report.reported_at
+
     def last_progress_age(self, now: float) -> float | None:
         """Seconds since any watched rank last made progress (None before any)."""
         return None if self._last_progress is None else now - self._last_progress

@@ -155,6 +155,15 @@ def test_reports_from_ranks_outside_the_group_are_not_progress() -> None:
     assert [a.since for a in dog.check(10.0)] == [0.0]
 
 
+def test_report_age_counts_every_report_even_without_progress() -> None:
+    dog = HangWatchdog(stall_after_s=T)
+    assert dog.report_age(0, 5.0) is None
+    dog.observe_stats(0, wave=0, step=1, now=1.0)
+    dog.observe_stats(0, wave=0, step=1, now=3.0)
+    assert dog.report_age(0, 5.0) == 2.0
+    assert dog.last_progress_age(5.0) == 4.0
+
+
 def test_without_group_membership_every_reporting_rank_is_watched() -> None:
     dog = HangWatchdog(stall_after_s=T)
     dog.observe_stats(7, wave=2, step=1, now=0.0)
