@@ -11,10 +11,10 @@ coordinator keeps two facts about the group:
   run when the group is paused. It never goes back.
 * ``running``: whether an engine has *told* us that the current wave started.
   It is an observation, never a guess: only an engine's ``start_wave`` report
-  sets it, and only rank 0's ``wave_complete`` report clears it.
+  sets it; ``wave_complete`` from rank 0, or a report of a later wave, clears it.
 
-Three kinds of event reach this machine, and each is first classified against
-the state into one condition (the ``classify_*`` functions), then looked up in
+Four kinds of event reach this machine. Each is first classified against the
+state into one condition (the ``classify_*`` functions), then looked up in
 ``TRANSITIONS``, which says what the new state is and what to send:
 
 * ``wave_complete(w)`` from rank 0: the group went idle at the end of wave
@@ -23,13 +23,59 @@ the state into one condition (the ``classify_*`` functions), then looked up in
   wave ``w`` (it marked itself running before reporting, so it is left out of
   the wake). The coordinator relays the wake to every other engine with
   ``START_DP_WAVE [w, sender]`` unless the report is stale, already known, or
-  answers a wake the coordinator itself sent for exactly that wave.
+  answers a live wake the coordinator itself sent for exactly that wave.
 * ``first_request``: the coordinator itself dispatches a request. If the group
-  is paused and nobody has been woken for the current wave, every engine but
-  the chosen one gets ``START_DP_WAVE [current, chosen]`` at once, instead of
-  waiting for the chosen engine's report to make a round trip. A request
-  stamped with an older wave wakes everyone (``exclude = None``). Either way
-  ``running`` stays as it is until an engine reports.
+  is paused and no live wake is out for the current wave, *every* engine gets
+  ``START_DP_WAVE [current, None]`` at once, instead of waiting for the chosen
+  engine's report to make a round trip. ``running`` stays as it is until an
+  engine reports.
+* ``reported_wave(w)``: the ``current_wave`` of an engine's stats report.
+
+Why a coordinator wake excludes nobody
+    The chosen engine may drop the ADD without starting: the request fails
+    validation, the engine is shutting down, or its scheduler is paused. Had
+    the wake left it out, its woken peers would block in their first
+    collective with nobody to match them. Including it costs nothing: an
+    engine that already started on the ADD ignores the wake, and the chosen
+    engine's report (or rank 0's mirror report after its first step) still
+    tells us that the wave started.
+
+Requests stamped with another wave
+    A frontend stamps each request with the last wave it heard. An older stamp
+    changes nothing here (the engine keeps its newer wave and the wake names
+    ours). A stamp *newer* than ours means the frontend heard a wave we never
+    saw, for instance because this process restarted: the wave is adopted
+    first (still paused, and published), and the wake names that wave, since
+    engines ignore a ``START_DP_WAVE`` older than their own wave.
+
+Why a pending wake expires
+    A wake that was sent is not one that was delivered: paused engines drop
+    ``START_DP_WAVE``, and the publish socket drops messages at its high-water
+    mark or across a reconnect. While a wake for the current wave is pending,
+    further first requests send nothing and an engine's ``start_wave`` for
+    that wave is not relayed, so that concurrent first requests cost one wake
+    per wave. A pending wake therefore counts only for ``rewake_after_s``
+    after it was sent (when the caller passes ``now``). After that, a later
+    first request wakes again and an engine's ``start_wave`` is relayed as
+    vLLM does, so one lost wake cannot silence the wave for good. Normally an
+    engine reports within milliseconds, which clears the pending wake, and
+    there is still exactly one wake per wave.
+
+Why a reported wave above ours is adopted
+    Engines advance their wave only together, when the all-reduce says the
+    whole group went idle (or by adopting a newer stamp, which came from a
+    wave the coordinator published). An engine reporting wave ``w`` greater
+    than ours therefore proves that every earlier wave ended: the group is
+    paused at ``w`` until some engine reports ``start_wave``. This is how a
+    restarted coordinator, back at wave 0, rebuilds the wave from the
+    engines' stats without ever moving it back. In normal operation it can
+    only run ahead of rank 0's ``wave_complete(w - 1)``, which says the same
+    thing, and never hides a start we heard of: an engine's stats for a wave
+    it started itself follow its own ``start_wave`` on the same
+    first-in-first-out socket, and stats for a wave it joined on our
+    broadcast follow that broadcast, so in both cases the wave is no longer
+    newer than ours when the stats arrive. A ``start_wave(w)`` still on its
+    way finds the group paused at ``w`` and is accepted as usual.
 
 The two engine reports come over different engines' sockets and can arrive in
 either order; both orders of ``wave_complete(W)`` and ``start_wave(W + 1)``
@@ -38,8 +84,9 @@ end in wave ``W + 1``, running, with one wake sent.
 In dense mode (``lockstep=False``) engines never step together, there are no
 waves, and every method returns no actions and leaves the state untouched.
 
-This module does no IO and reads no clock: methods return the actions the
-caller must perform, in order.
+This module does no IO and reads no clock: time comes in as ``now``
+(monotonic seconds) and methods return the actions the caller must perform,
+in order.
 """
 
 from __future__ import annotations
@@ -75,37 +122,42 @@ class WaveEvent(enum.Enum):
     WAVE_COMPLETE = "wave_complete"
     START_WAVE = "start_wave"
     FIRST_REQUEST = "first_request"
+    REPORTED_WAVE = "reported_wave"
 
 
 class WaveCondition(enum.Enum):
-    """How an event relates to the current state (``w`` is the reported wave)."""
+    """How an event relates to the current state (``w`` is the reported or stamped wave).
+
+    "Live wake" means a coordinator wake for the current wave that has not expired.
+    """
 
     STALE = "stale"  # w < current
+    CURRENT = "current"  # w == current (reported_wave)
     NEWER = "newer"  # w > current
     CURRENT_OR_NEWER = "current_or_newer"  # w >= current (wave_complete)
     CURRENT_RUNNING = "current_running"  # w == current, already running
-    CURRENT_PAUSED = "current_paused"  # w == current, paused, no wake sent for it
-    CURRENT_PAUSED_WOKEN = "current_paused_woken"  # w == current, paused, wake sent
+    CURRENT_PAUSED = "current_paused"  # w == current, paused, no live wake
+    CURRENT_PAUSED_WOKEN = "current_paused_woken"  # w == current, paused, live wake
     RUNNING = "running"  # group running: a request needs no wake
-    WAKE_SENT = "wake_sent"  # paused, but this wave's wake already went out
-    PAUSED = "paused"  # paused, request stamped with the current (or a later) wave
-    PAUSED_STALE_STAMP = "paused_stale_stamp"  # paused, request stamped with an older wave
+    WAKE_SENT = "wake_sent"  # paused, live wake, stamp not newer than current
+    PAUSED = "paused"  # paused, no live wake, stamp not newer than current
+    PAUSED_NEWER_STAMP = "paused_newer_stamp"  # paused, stamp newer than current
 
 
 class WaveUpdate(enum.Enum):
     KEEP = "keep"
-    REPORTED = "reported"  # current := w
+    REPORTED = "reported"  # current := w (reported or stamped)
     AFTER_REPORTED = "after_reported"  # current := w + 1
 
 
 class WakeUpdate(enum.Enum):
     KEEP = "keep"
     CLEAR = "clear"  # an engine report superseded any wake we sent
-    MARK_CURRENT = "mark_current"  # we are sending the wake for the current wave
+    MARK_CURRENT = "mark_current"  # we are sending the wake for the current wave, now
 
 
 class Exclude(enum.Enum):
-    SENDER = "sender"  # the reporting engine, or the engine chosen for the request
+    SENDER = "sender"  # the engine whose start_wave report is relayed
     NOBODY = "nobody"
 
 
@@ -146,9 +198,10 @@ TRANSITIONS: Mapping[tuple[WaveEvent, WaveCondition], Transition] = {
     (_E.START_WAVE, _C.STALE): _IGNORE,
     (_E.START_WAVE, _C.CURRENT_RUNNING): _IGNORE,
     (_E.START_WAVE, _C.NEWER): _ENGINE_STARTED_WAVE,
+    # Also taken when our own wake for this wave expired: it may never have arrived.
     (_E.START_WAVE, _C.CURRENT_PAUSED): _ENGINE_STARTED_WAVE,
-    # Our own wake for this wave is already on its way to every other engine:
-    # the report only confirms that the wave started.
+    # Our own wake for this wave went to every engine moments ago: the report
+    # only confirms that the wave started.
     (_E.START_WAVE, _C.CURRENT_PAUSED_WOKEN): Transition(
         running=True,
         wave=WaveUpdate.REPORTED,
@@ -158,23 +211,48 @@ TRANSITIONS: Mapping[tuple[WaveEvent, WaveCondition], Transition] = {
     ),
     (_E.FIRST_REQUEST, _C.RUNNING): _IGNORE,
     (_E.FIRST_REQUEST, _C.WAKE_SENT): _IGNORE,
+    # Whatever the (older or current) stamp, wake everyone at our wave.
     (_E.FIRST_REQUEST, _C.PAUSED): Transition(
-        running=None,
-        wave=WaveUpdate.KEEP,
-        wake=WakeUpdate.MARK_CURRENT,
-        broadcast=Exclude.SENDER,
-        publish=False,
-    ),
-    # The frontend had not seen the last wave end, so the chosen engine may
-    # treat the request as belonging to an old wave: wake it too.
-    (_E.FIRST_REQUEST, _C.PAUSED_STALE_STAMP): Transition(
         running=None,
         wave=WaveUpdate.KEEP,
         wake=WakeUpdate.MARK_CURRENT,
         broadcast=Exclude.NOBODY,
         publish=False,
     ),
+    # The frontend heard of a later wave than we did (we restarted): adopt it,
+    # still paused, and wake everyone at that wave.
+    (_E.FIRST_REQUEST, _C.PAUSED_NEWER_STAMP): Transition(
+        running=None,
+        wave=WaveUpdate.REPORTED,
+        wake=WakeUpdate.MARK_CURRENT,
+        broadcast=Exclude.NOBODY,
+        publish=True,
+    ),
+    (_E.REPORTED_WAVE, _C.STALE): _IGNORE,
+    (_E.REPORTED_WAVE, _C.CURRENT): _IGNORE,
+    # Every earlier wave ended; the group waits at this one for a start_wave.
+    (_E.REPORTED_WAVE, _C.NEWER): Transition(
+        running=False,
+        wave=WaveUpdate.REPORTED,
+        wake=WakeUpdate.CLEAR,
+        broadcast=None,
+        publish=True,
+    ),
 }
+
+
+def live_wake(
+    pending_for: int | None, sent_at: float | None, now: float | None, rewake_after_s: float
+) -> int | None:
+    """The wave of a pending wake if it still counts at ``now``, else None.
+
+    A wake sent without a time, or asked about without one, never expires.
+    """
+    if pending_for is None:
+        return None
+    if now is None or sent_at is None or now - sent_at < rewake_after_s:
+        return pending_for
+    return None
 
 
 def classify_wave_complete(current: int, reported: int) -> WaveCondition:
@@ -182,7 +260,7 @@ def classify_wave_complete(current: int, reported: int) -> WaveCondition:
 
 
 def classify_start_wave(
-    current: int, running: bool, wake_pending_for: int | None, reported: int
+    current: int, running: bool, live_wake_for: int | None, reported: int
 ) -> WaveCondition:
     if reported < current:
         return WaveCondition.STALE
@@ -190,31 +268,50 @@ def classify_start_wave(
         return WaveCondition.NEWER
     if running:
         return WaveCondition.CURRENT_RUNNING
-    if wake_pending_for == reported:
+    if live_wake_for == reported:
         return WaveCondition.CURRENT_PAUSED_WOKEN
     return WaveCondition.CURRENT_PAUSED
 
 
 def classify_first_request(
-    current: int, running: bool, wake_pending_for: int | None, stamped: int
+    current: int, running: bool, live_wake_for: int | None, stamped: int
 ) -> WaveCondition:
     if running:
         return WaveCondition.RUNNING
-    if wake_pending_for == current:
+    if stamped > current:
+        return WaveCondition.PAUSED_NEWER_STAMP
+    if live_wake_for == current:
         return WaveCondition.WAKE_SENT
-    if stamped < current:
-        return WaveCondition.PAUSED_STALE_STAMP
     return WaveCondition.PAUSED
+
+
+def classify_reported_wave(current: int, reported: int) -> WaveCondition:
+    if reported < current:
+        return WaveCondition.STALE
+    if reported > current:
+        return WaveCondition.NEWER
+    return WaveCondition.CURRENT
 
 
 class WaveState:
     """The coordinator's view of the group's waves; feed it events, perform what it returns."""
 
-    def __init__(self, *, lockstep: bool = True, wave: int = 0, running: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        lockstep: bool = True,
+        wave: int = 0,
+        running: bool = False,
+        rewake_after_s: float = 1.0,
+    ) -> None:
+        if not rewake_after_s >= 0.0:  # also refuses NaN
+            raise ValueError(f"rewake_after_s must be >= 0, got {rewake_after_s!r}")
         self.lockstep = lockstep
+        self.rewake_after_s = rewake_after_s
         self._wave = wave
         self._running = running
         self._wake_pending_for: int | None = None
+        self._wake_sent_at: float | None = None
 
     @property
     def current_wave(self) -> int:
@@ -226,44 +323,69 @@ class WaveState:
 
     @property
     def wake_pending_for(self) -> int | None:
-        """The wave the coordinator woke the group for, until an engine reports it started."""
+        """The wave the coordinator woke the group for, until an engine reports on it.
+
+        Raw: an expired wake is still shown; ``wake_pending(now)`` applies expiry.
+        """
         return self._wake_pending_for
+
+    def wake_pending(self, now: float | None) -> int | None:
+        """The wave of a pending wake that still suppresses wakes and relays at ``now``."""
+        return live_wake(self._wake_pending_for, self._wake_sent_at, now, self.rewake_after_s)
 
     def snapshot(self) -> tuple[int, bool]:
         return self._wave, self._running
 
     def on_engine_output(
-        self, rank: int, wave_complete: int | None, start_wave: int | None
+        self,
+        rank: int,
+        wave_complete: int | None,
+        start_wave: int | None,
+        *,
+        now: float | None = None,
     ) -> list[WaveAction]:
         """One engine output message; a ``wave_complete`` in it hides any ``start_wave``."""
         if wave_complete is not None:
             return self.on_wave_complete(rank, wave_complete)
         if start_wave is not None:
-            return self.on_start_wave(rank, start_wave)
+            return self.on_start_wave(rank, start_wave, now=now)
         return []
 
     def on_wave_complete(self, rank: int, wave: int) -> list[WaveAction]:
         if not self.lockstep:
             return []
         condition = classify_wave_complete(self._wave, wave)
-        return self._apply(TRANSITIONS[WaveEvent.WAVE_COMPLETE, condition], wave, rank)
+        return self._apply(TRANSITIONS[WaveEvent.WAVE_COMPLETE, condition], wave, rank, None)
 
-    def on_start_wave(self, rank: int, wave: int) -> list[WaveAction]:
+    def on_start_wave(self, rank: int, wave: int, *, now: float | None = None) -> list[WaveAction]:
         if not self.lockstep:
             return []
-        condition = classify_start_wave(self._wave, self._running, self._wake_pending_for, wave)
-        return self._apply(TRANSITIONS[WaveEvent.START_WAVE, condition], wave, rank)
+        condition = classify_start_wave(self._wave, self._running, self.wake_pending(now), wave)
+        return self._apply(TRANSITIONS[WaveEvent.START_WAVE, condition], wave, rank, now)
 
-    def on_first_request(self, chosen: int, stamped_wave: int) -> list[WaveAction]:
+    def on_first_request(
+        self, chosen: int, stamped_wave: int, *, now: float | None = None
+    ) -> list[WaveAction]:
         """Called for every request the coordinator dispatches to engine ``chosen``."""
         if not self.lockstep:
             return []
         condition = classify_first_request(
-            self._wave, self._running, self._wake_pending_for, stamped_wave
+            self._wave, self._running, self.wake_pending(now), stamped_wave
         )
-        return self._apply(TRANSITIONS[WaveEvent.FIRST_REQUEST, condition], self._wave, chosen)
+        return self._apply(
+            TRANSITIONS[WaveEvent.FIRST_REQUEST, condition], stamped_wave, chosen, now
+        )
 
-    def _apply(self, row: Transition, reported: int, sender: int) -> list[WaveAction]:
+    def on_reported_wave(self, rank: int, wave: int) -> list[WaveAction]:
+        """The ``current_wave`` of a stats report from engine ``rank``."""
+        if not self.lockstep:
+            return []
+        condition = classify_reported_wave(self._wave, wave)
+        return self._apply(TRANSITIONS[WaveEvent.REPORTED_WAVE, condition], wave, rank, None)
+
+    def _apply(
+        self, row: Transition, reported: int, sender: int, now: float | None
+    ) -> list[WaveAction]:
         if row.wave is WaveUpdate.REPORTED:
             self._wave = max(self._wave, reported)
         elif row.wave is WaveUpdate.AFTER_REPORTED:
@@ -272,8 +394,10 @@ class WaveState:
             self._running = row.running
         if row.wake is WakeUpdate.CLEAR:
             self._wake_pending_for = None
+            self._wake_sent_at = None
         elif row.wake is WakeUpdate.MARK_CURRENT:
             self._wake_pending_for = self._wave
+            self._wake_sent_at = now
 
         actions: list[WaveAction] = []
         if row.broadcast is not None:

@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from coordinator.core.waves import (
     TRANSITIONS,
     BroadcastStartWave,
+    Exclude,
     PublishWave,
     WaveAction,
     WaveCondition,
     WaveEvent,
     WaveState,
     classify_first_request,
+    classify_reported_wave,
     classify_start_wave,
     classify_wave_complete,
+    live_wake,
 )
+
+REWAKE = 1.0  # WaveState's default rewake_after_s
+JUST_BEFORE = REWAKE - 1e-6
 
 
 def paused_at(wave: int) -> WaveState:
@@ -26,10 +34,10 @@ def running_at(wave: int) -> WaveState:
     return WaveState(wave=wave, running=True)
 
 
-def woken_at(wave: int, chosen: int = 1) -> WaveState:
-    """Paused at `wave` with the coordinator's own wake for it already sent."""
+def woken_at(wave: int, chosen: int = 1, now: float | None = 10.0) -> WaveState:
+    """Paused at `wave` with the coordinator's own wake for it sent at `now`."""
     state = paused_at(wave)
-    assert state.on_first_request(chosen, wave) == [BroadcastStartWave(wave, chosen)]
+    assert state.on_first_request(chosen, wave, now=now) == [BroadcastStartWave(wave, None)]
     return state
 
 
@@ -48,9 +56,19 @@ def test_table_has_one_row_per_reachable_condition() -> None:
         (WaveEvent.FIRST_REQUEST, WaveCondition.RUNNING),
         (WaveEvent.FIRST_REQUEST, WaveCondition.WAKE_SENT),
         (WaveEvent.FIRST_REQUEST, WaveCondition.PAUSED),
-        (WaveEvent.FIRST_REQUEST, WaveCondition.PAUSED_STALE_STAMP),
+        (WaveEvent.FIRST_REQUEST, WaveCondition.PAUSED_NEWER_STAMP),
+        (WaveEvent.REPORTED_WAVE, WaveCondition.STALE),
+        (WaveEvent.REPORTED_WAVE, WaveCondition.CURRENT),
+        (WaveEvent.REPORTED_WAVE, WaveCondition.NEWER),
     }
     assert set(TRANSITIONS) == expected
+
+
+def test_no_row_excludes_anyone_but_a_reporting_engine() -> None:
+    # Coordinator-originated wakes (first requests) wake every engine.
+    for (event, _), row in TRANSITIONS.items():
+        if event is WaveEvent.FIRST_REQUEST and row.broadcast is not None:
+            assert row.broadcast is Exclude.NOBODY
 
 
 def test_classifiers_cover_every_case() -> None:
@@ -60,22 +78,48 @@ def test_classifiers_cover_every_case() -> None:
 
     assert classify_start_wave(5, False, None, 4) is WaveCondition.STALE
     assert classify_start_wave(5, True, None, 6) is WaveCondition.NEWER
+    assert classify_start_wave(5, False, 5, 6) is WaveCondition.NEWER
     assert classify_start_wave(5, True, None, 5) is WaveCondition.CURRENT_RUNNING
     assert classify_start_wave(5, False, 5, 5) is WaveCondition.CURRENT_PAUSED_WOKEN
     assert classify_start_wave(5, False, None, 5) is WaveCondition.CURRENT_PAUSED
 
     assert classify_first_request(5, True, None, 5) is WaveCondition.RUNNING
+    assert classify_first_request(5, True, None, 9) is WaveCondition.RUNNING
     assert classify_first_request(5, False, 5, 5) is WaveCondition.WAKE_SENT
-    assert classify_first_request(5, False, None, 4) is WaveCondition.PAUSED_STALE_STAMP
+    assert classify_first_request(5, False, 5, 4) is WaveCondition.WAKE_SENT
+    assert classify_first_request(5, False, None, 4) is WaveCondition.PAUSED
     assert classify_first_request(5, False, None, 5) is WaveCondition.PAUSED
-    assert classify_first_request(5, False, None, 7) is WaveCondition.PAUSED
+    assert classify_first_request(5, False, None, 7) is WaveCondition.PAUSED_NEWER_STAMP
+    assert classify_first_request(5, False, 5, 7) is WaveCondition.PAUSED_NEWER_STAMP
+
+    assert classify_reported_wave(5, 4) is WaveCondition.STALE
+    assert classify_reported_wave(5, 5) is WaveCondition.CURRENT
+    assert classify_reported_wave(5, 6) is WaveCondition.NEWER
+
+
+def test_live_wake_expires_only_with_both_times_known() -> None:
+    assert live_wake(None, 0.0, 5.0, REWAKE) is None
+    assert live_wake(3, None, 5.0, REWAKE) == 3
+    assert live_wake(3, 0.0, None, REWAKE) == 3
+    assert live_wake(3, 0.0, JUST_BEFORE, REWAKE) == 3
+    assert live_wake(3, 0.0, REWAKE, REWAKE) is None
+    assert live_wake(3, 0.0, 50.0, math.inf) == 3
+    assert live_wake(3, 0.0, 0.0, 0.0) is None
 
 
 def test_initial_state() -> None:
     state = WaveState()
     assert state.lockstep is True
+    assert state.rewake_after_s == REWAKE
     assert state.snapshot() == (0, False)
     assert (state.current_wave, state.running, state.wake_pending_for) == (0, False, None)
+    assert state.wake_pending(None) is None
+
+
+@pytest.mark.parametrize("bad", [-0.5, math.nan])
+def test_rewake_after_must_be_a_non_negative_number(bad: float) -> None:
+    with pytest.raises(ValueError, match="rewake_after_s"):
+        WaveState(rewake_after_s=bad)
 
 
 # --- wave_complete ------------------------------------------------------------------------------
@@ -98,8 +142,8 @@ def test_wave_complete_clears_the_pending_wake() -> None:
     state = woken_at(3)
     assert state.on_wave_complete(0, 3) == [PublishWave(4, False)]
     assert state.wake_pending_for is None
-    # The next wave needs its own wake.
-    assert state.on_first_request(2, 4) == [BroadcastStartWave(4, 2)]
+    # The next wave needs its own wake, at once.
+    assert state.on_first_request(2, 4, now=10.0) == [BroadcastStartWave(4, None)]
 
 
 @pytest.mark.parametrize("running", [True, False])
@@ -113,6 +157,7 @@ def test_stale_wave_complete_keeps_the_pending_wake() -> None:
     state = woken_at(5)
     assert state.on_wave_complete(0, 4) == []
     assert state.wake_pending_for == 5
+    assert state.wake_pending(10.0) == 5
 
 
 # --- start_wave ---------------------------------------------------------------------------------
@@ -139,7 +184,7 @@ def test_start_wave_for_a_newer_wave_always_broadcasts(running: bool) -> None:
 
 def test_start_wave_for_a_newer_wave_broadcasts_even_after_our_own_wake() -> None:
     state = woken_at(2)
-    assert state.on_start_wave(1, 3) == [BroadcastStartWave(3, 1), PublishWave(3, True)]
+    assert state.on_start_wave(1, 3, now=10.0) == [BroadcastStartWave(3, 1), PublishWave(3, True)]
     assert state.snapshot() == (3, True)
     assert state.wake_pending_for is None
 
@@ -151,18 +196,45 @@ def test_stale_start_wave_is_ignored(running: bool) -> None:
     assert state.snapshot() == (6, running)
 
 
-def test_start_wave_after_our_own_wake_runs_and_publishes_without_a_second_broadcast() -> None:
-    state = woken_at(4, chosen=2)
+@pytest.mark.parametrize("now", [None, 10.0, 10.0 + JUST_BEFORE])
+def test_start_wave_soon_after_our_own_wake_runs_and_publishes_without_a_relay(
+    now: float | None,
+) -> None:
+    state = woken_at(4, chosen=2, now=10.0)
     assert state.running is False  # a wake sent is not a wave started
-    assert state.on_start_wave(2, 4) == [PublishWave(4, True)]
+    assert state.on_start_wave(2, 4, now=now) == [PublishWave(4, True)]
     assert state.snapshot() == (4, True)
     assert state.wake_pending_for is None
 
 
+@pytest.mark.parametrize("later", [REWAKE, 5 * REWAKE])
+def test_start_wave_after_our_wake_expired_is_relayed(later: float) -> None:
+    state = woken_at(4, chosen=2, now=10.0)
+    assert state.wake_pending(10.0 + later) is None
+    assert state.wake_pending_for == 4  # the raw record stays until a report
+    assert state.on_start_wave(0, 4, now=10.0 + later) == [
+        BroadcastStartWave(4, 0),
+        PublishWave(4, True),
+    ]
+    assert state.snapshot() == (4, True)
+    assert state.wake_pending_for is None
+
+
+def test_a_wake_sent_without_a_time_never_expires() -> None:
+    state = woken_at(4, chosen=2, now=None)
+    assert state.wake_pending(1e9) == 4
+    assert state.on_start_wave(0, 4, now=1e9) == [PublishWave(4, True)]
+
+
+def test_a_start_wave_without_a_time_treats_the_wake_as_live() -> None:
+    state = woken_at(4, chosen=2, now=10.0)
+    assert state.on_start_wave(0, 4) == [PublishWave(4, True)]
+
+
 def test_start_wave_from_another_engine_after_our_own_wake_does_not_broadcast() -> None:
     state = woken_at(4, chosen=2)
-    assert state.on_start_wave(0, 4) == [PublishWave(4, True)]
-    assert state.on_start_wave(2, 4) == []
+    assert state.on_start_wave(0, 4, now=10.0) == [PublishWave(4, True)]
+    assert state.on_start_wave(2, 4, now=10.0) == []
     assert state.snapshot() == (4, True)
 
 
@@ -202,46 +274,140 @@ def test_both_orders_end_in_the_same_state_with_one_wake() -> None:
 # --- first request through the coordinator ------------------------------------------------------
 
 
-def test_first_request_while_paused_wakes_everyone_but_the_chosen_engine() -> None:
+@pytest.mark.parametrize("stamped", [5, 4, 0])
+def test_first_request_while_paused_wakes_everyone_including_the_chosen_engine(
+    stamped: int,
+) -> None:
     state = paused_at(5)
-    assert state.on_first_request(3, 5) == [BroadcastStartWave(5, 3)]
+    assert state.on_first_request(3, stamped, now=2.0) == [BroadcastStartWave(5, None)]
     assert state.wake_pending_for == 5
+    assert state.wake_pending(2.0) == 5
     assert state.snapshot() == (5, False)  # running flips only on an engine's report
 
 
-def test_first_request_stamped_with_a_stale_wave_wakes_everyone() -> None:
+def test_first_request_keeps_the_old_positional_call() -> None:
     state = paused_at(5)
-    assert state.on_first_request(3, 4) == [BroadcastStartWave(5, None)]
-    assert state.wake_pending_for == 5
-    assert state.snapshot() == (5, False)
+    assert state.on_first_request(3, 5) == [BroadcastStartWave(5, None)]
+    assert state.wake_pending(1e9) == 5  # sent without a time: never expires
 
 
-def test_first_request_stamped_with_a_later_wave_wakes_the_current_one() -> None:
+def test_first_request_stamped_with_a_newer_wave_adopts_it_then_wakes_at_it() -> None:
     state = paused_at(5)
-    assert state.on_first_request(3, 8) == [BroadcastStartWave(5, 3)]
-    assert state.snapshot() == (5, False)
+    assert state.on_first_request(3, 8, now=2.0) == [
+        BroadcastStartWave(8, None),
+        PublishWave(8, False),
+    ]
+    assert state.snapshot() == (8, False)
+    assert state.wake_pending(2.0) == 8
+    # Later requests for the adopted wave are covered by that wake.
+    assert state.on_first_request(1, 8, now=2.5) == []
+    assert state.on_first_request(1, 5, now=2.5) == []
 
 
-def test_second_first_request_for_the_same_wave_does_not_wake_again() -> None:
-    state = woken_at(5, chosen=3)
-    assert state.on_first_request(1, 5) == []
-    assert state.on_first_request(0, 4) == []  # not even a stale-stamped one
+def test_newer_stamp_overrides_a_live_wake_for_an_older_wave() -> None:
+    state = woken_at(5, now=10.0)
+    assert state.on_first_request(3, 6, now=10.0) == [
+        BroadcastStartWave(6, None),
+        PublishWave(6, False),
+    ]
+    assert (state.snapshot(), state.wake_pending(10.0)) == ((6, False), 6)
+
+
+@pytest.mark.parametrize("now", [None, 10.0, 10.0 + JUST_BEFORE])
+def test_second_first_request_while_the_wake_is_live_does_not_wake_again(
+    now: float | None,
+) -> None:
+    state = woken_at(5, chosen=3, now=10.0)
+    assert state.on_first_request(1, 5, now=now) == []
+    assert state.on_first_request(0, 4, now=now) == []  # not even a stale-stamped one
     assert state.wake_pending_for == 5
 
 
-def test_first_request_while_running_needs_no_wake() -> None:
+@pytest.mark.parametrize("later", [REWAKE, 3 * REWAKE])
+def test_first_request_after_the_wake_expired_wakes_again(later: float) -> None:
+    state = woken_at(5, chosen=3, now=10.0)
+    assert state.on_first_request(1, 5, now=10.0 + later) == [BroadcastStartWave(5, None)]
+    # The new wake is timed from now: it suppresses again for rewake_after_s.
+    assert state.wake_pending(10.0 + later + JUST_BEFORE) == 5
+    assert state.on_first_request(1, 5, now=10.0 + later + JUST_BEFORE) == []
+    assert state.wake_pending(10.0 + later + REWAKE) is None
+
+
+def test_custom_rewake_interval() -> None:
+    state = WaveState(rewake_after_s=0.25)
+    assert state.on_first_request(0, 0, now=1.0) == [BroadcastStartWave(0, None)]
+    assert state.on_first_request(0, 0, now=1.2) == []
+    assert state.on_first_request(0, 0, now=1.25) == [BroadcastStartWave(0, None)]
+
+
+@pytest.mark.parametrize("stamped", [5, 1, 9])
+def test_first_request_while_running_needs_no_wake(stamped: int) -> None:
     state = running_at(5)
-    assert state.on_first_request(3, 5) == []
-    assert state.on_first_request(3, 1) == []
+    assert state.on_first_request(3, stamped, now=0.0) == []
     assert state.wake_pending_for is None
     assert state.snapshot() == (5, True)
 
 
 def test_engine_report_then_request_in_a_later_wave_wakes_again() -> None:
-    state = woken_at(0, chosen=0)
-    assert state.on_start_wave(0, 0) == [PublishWave(0, True)]
+    state = woken_at(0, chosen=0, now=0.0)
+    assert state.on_start_wave(0, 0, now=0.001) == [PublishWave(0, True)]
     assert state.on_wave_complete(0, 0) == [PublishWave(1, False)]
-    assert state.on_first_request(1, 1) == [BroadcastStartWave(1, 1)]
+    assert state.on_first_request(1, 1, now=0.002) == [BroadcastStartWave(1, None)]
+
+
+# --- reported_wave (stats) ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("running", [True, False])
+def test_reported_wave_above_ours_adopts_it_paused(running: bool) -> None:
+    state = WaveState(wave=3, running=running)
+    assert state.on_reported_wave(1, 7) == [PublishWave(7, False)]
+    assert state.snapshot() == (7, False)
+
+
+def test_reported_wave_above_ours_clears_the_pending_wake() -> None:
+    state = woken_at(3)
+    assert state.on_reported_wave(1, 4) == [PublishWave(4, False)]
+    assert state.wake_pending_for is None
+    assert state.on_first_request(2, 4, now=10.0) == [BroadcastStartWave(4, None)]
+
+
+@pytest.mark.parametrize(("running", "reported"), [(True, 3), (False, 3), (True, 1), (False, 0)])
+def test_reported_wave_not_above_ours_is_ignored(running: bool, reported: int) -> None:
+    state = WaveState(wave=3, running=running)
+    assert state.on_reported_wave(1, reported) == []
+    assert state.snapshot() == (3, running)
+
+
+def test_reported_wave_keeps_a_pending_wake_for_our_wave() -> None:
+    state = woken_at(3)
+    assert state.on_reported_wave(1, 3) == []
+    assert state.wake_pending_for == 3
+
+
+def test_restarted_coordinator_rebuilds_the_wave_from_stats_then_relays_the_start() -> None:
+    state = WaveState()  # restarted: wave 0, paused
+    assert state.on_reported_wave(1, 12) == [PublishWave(12, False)]
+    assert state.on_reported_wave(0, 12) == []
+    assert state.on_reported_wave(2, 11) == []  # an old report never moves it back
+    assert state.on_start_wave(2, 12) == [BroadcastStartWave(12, 2), PublishWave(12, True)]
+    assert state.snapshot() == (12, True)
+
+
+def test_stats_running_ahead_of_wave_complete_then_the_late_reports() -> None:
+    # Rank 1's stats for wave 4 overtake rank 0's wave_complete(3).
+    state = running_at(3)
+    assert state.on_reported_wave(1, 4) == [PublishWave(4, False)]
+    assert state.on_wave_complete(0, 3) == []
+    assert state.on_start_wave(0, 4) == [BroadcastStartWave(4, 0), PublishWave(4, True)]
+    assert state.snapshot() == (4, True)
+
+
+def test_stats_after_the_start_they_follow_change_nothing() -> None:
+    state = paused_at(4)
+    assert state.on_start_wave(2, 4) == [BroadcastStartWave(4, 2), PublishWave(4, True)]
+    assert state.on_reported_wave(2, 4) == []
+    assert state.snapshot() == (4, True)
 
 
 # --- on_engine_output ---------------------------------------------------------------------------
@@ -261,9 +427,19 @@ def test_engine_output_with_only_start_wave() -> None:
     ]
 
 
+def test_engine_output_passes_the_time_to_start_wave() -> None:
+    live = woken_at(3, now=10.0)
+    assert live.on_engine_output(2, None, 3, now=10.5) == [PublishWave(3, True)]
+    expired = woken_at(3, now=10.0)
+    assert expired.on_engine_output(2, None, 3, now=11.0) == [
+        BroadcastStartWave(3, 2),
+        PublishWave(3, True),
+    ]
+
+
 def test_engine_output_without_wave_fields_changes_nothing() -> None:
     state = woken_at(3)
-    assert state.on_engine_output(2, wave_complete=None, start_wave=None) == []
+    assert state.on_engine_output(2, wave_complete=None, start_wave=None, now=99.0) == []
     assert (state.snapshot(), state.wake_pending_for) == ((3, False), 3)
 
 
@@ -274,13 +450,17 @@ def test_dense_mode_ignores_all_wave_input() -> None:
     state = WaveState(lockstep=False)
     calls = [
         lambda: state.on_first_request(1, 0),
+        lambda: state.on_first_request(1, 0, now=0.0),
+        lambda: state.on_first_request(1, 5, now=9.0),
         lambda: state.on_start_wave(1, 0),
-        lambda: state.on_start_wave(1, 9),
+        lambda: state.on_start_wave(1, 9, now=3.0),
         lambda: state.on_wave_complete(0, 0),
         lambda: state.on_wave_complete(0, 9),
         lambda: state.on_engine_output(0, 3, None),
-        lambda: state.on_engine_output(0, None, 3),
-        lambda: state.on_first_request(1, 0),
+        lambda: state.on_engine_output(0, None, 3, now=1.0),
+        lambda: state.on_reported_wave(0, 0),
+        lambda: state.on_reported_wave(2, 7),
+        lambda: state.on_first_request(1, 0, now=50.0),
     ]
     for call in calls:
         assert call() == []
