@@ -456,9 +456,10 @@ class CoordinatorServer:
             self.counters["stats.reports"] += 1
             if not was_changed and self.loads.changed:
                 self._stats_dirty.set()
+            self._apply_wave_actions(self.waves.on_reported_wave(rank, stats.current_wave))
         if msg.wave_complete is not None or msg.start_wave is not None:
             self._apply_wave_actions(
-                self.waves.on_engine_output(rank, msg.wave_complete, msg.start_wave)
+                self.waves.on_engine_output(rank, msg.wave_complete, msg.start_wave, now=now)
             )
 
     def _apply_wave_actions(self, actions: Sequence[WaveAction]) -> None:
@@ -546,7 +547,7 @@ class CoordinatorServer:
             return
         self.counters["legacy.first_requests"] += 1
         self._apply_wave_actions(
-            self.waves.on_first_request(message.engine_index, message.wave)
+            self.waves.on_first_request(message.engine_index, message.wave, now=self.clock())
         )
 
     def _resize(self, new_total: int) -> None:
@@ -663,7 +664,7 @@ class CoordinatorServer:
         if not self._send_router("dispatch", rank_to_identity(chosen), vllm.ADD, *payload):
             refuse(fp.ERR_ENGINE_UNREACHABLE, f"dp_rank={chosen} is not connected on dispatch")
             return
-        actions = self.waves.on_first_request(chosen, msg.wave)
+        actions = self.waves.on_first_request(chosen, msg.wave, now=self.clock())
         self._apply_wave_actions(actions)
         self.loads.note_dispatched(chosen)
         self.in_flight[msg.request_id] = InFlight(chosen, identity)
