@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import socket
 import threading
@@ -19,6 +20,7 @@ from coordinator.server.http import (
     HttpEndpoints,
     ObservedState,
     RankView,
+    add_observability_arguments,
     balance_ratio,
     handshake_outcomes,
     split_counter,
@@ -427,3 +429,16 @@ def test_ipv6_loopback() -> None:
         assert http.url.startswith("http://[::1]:")
         http.update(make_snapshot())
         assert get_json(http.url + "/healthz")[0] == 200
+
+
+def test_observability_arguments() -> None:
+    parser = argparse.ArgumentParser()
+    add_observability_arguments(parser)
+    args = parser.parse_args([])
+    assert (args.metrics_port, args.metrics_host, args.watchdog_stall_s, args.watchdog_rewake,
+            args.recorder_size) == (None, "127.0.0.1", 30.0, False, 1000)
+    args = parser.parse_args(["--metrics-port", "0", "--metrics-host", "::1",
+                              "--watchdog-stall-s", "5", "--watchdog-rewake",
+                              "--recorder-size", "50"])
+    assert (args.metrics_port, args.metrics_host, args.watchdog_stall_s, args.watchdog_rewake,
+            args.recorder_size) == (0, "::1", 5.0, True, 50)
