@@ -645,7 +645,18 @@ async def running_group(
         coordinator_process.addresses["handshake"], 2, config=sim_config(**overrides)
     )
     await asyncio.wait_for(group.start(), 15.0)
+    # A vllm-shaped engine does not wait for ACCEPTED, so its start() can return
+    # before the coordinator has read its READY.
+    await wait_for_ready_ranks(client, 2)
     return client, group
+
+
+async def wait_for_ready_ranks(client: FrontendClient, count: int, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while sum(e.state == "ready" for e in (await client.query_state()).engines) < count:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"fewer than {count} ranks became ready")
+        await asyncio.sleep(0.02)
 
 
 async def finished_ids(client: FrontendClient, count: int, timeout: float = STEP) -> list[str]:
@@ -842,11 +853,8 @@ async def test_engine_processes_and_a_killed_peer(
         for rank in (0, 1)
     ]
     try:
-        deadline = time.monotonic() + 20.0
-        while sum(e.state == "ready" for e in (await client.query_state()).engines) < 2:
-            assert time.monotonic() < deadline, "engine processes did not get ready"
-            assert all(p.poll() is None for p in engines), "an engine process exited"
-            await asyncio.sleep(0.05)
+        await wait_for_ready_ranks(client, 2)
+        assert all(p.poll() is None for p in engines), "an engine process exited"
         await client.submit("ok", sim_payload(client, "ok", 5))
         assert await finished_ids(client, 1, timeout=15.0) == ["ok"]
         await client.submit("long", sim_payload(client, "long", 100_000), dp_rank=1)
