@@ -230,6 +230,33 @@ def test_stale_and_duplicate_reports_are_ignored(
     assert_clean(plane)
 
 
+def test_nothing_but_ready_reaches_an_engine_before_the_gate_opens(
+    coordinator: CoordinatorFactory, zmq_ctx: Ctx
+) -> None:
+    """A vLLM engine asserts that its first back_publish frame is b"READY".
+
+    vLLM's coordinator reads no engine reports until every engine subscribed, so a
+    start_wave pushed during start-up (e.g. by an engine of a previous group still
+    running against a restarted coordinator) can never overtake READY.
+    """
+    handle = coordinator(2)
+    waiting = RawEngine(zmq_ctx, handle.addresses, 0, handshake=False)
+    waiting.connect_plane()
+    waiting.subscribe()
+    early = RawEngine(zmq_ctx, handle.addresses, 1, handshake=False)
+    early.connect_plane()
+    early.report(engine_outputs(1, start_wave=0))
+    early.report(engine_outputs(0, wave_complete=0))
+    early.report(engine_outputs(1, start_wave=1))
+    got_before_gate = waiting.recv_publish(0.4)
+    early.subscribe()
+    first = got_before_gate or waiting.expect_publish()
+    assert first == [READY], (
+        f"first frame on back_publish was {first!r}: a vLLM engine dies on anything but READY"
+    )
+    assert handle.is_alive()
+
+
 # ---- stats and the load table --------------------------------------------------------------
 
 
@@ -389,6 +416,26 @@ def test_dense_mode_has_no_waves(coordinator: CoordinatorFactory, zmq_ctx: Ctx) 
     assert_clean(plane)
 
 
+def test_dense_mode_dispatch_never_wakes(coordinator: CoordinatorFactory, zmq_ctx: Ctx) -> None:
+    """Requests submitted through the coordinator in dense mode wake nobody."""
+    handle = coordinator(2, lockstep=False)
+    peers = handshake_group(zmq_ctx, handle.addresses, [0, 1], dp_size=2, parallel_config_hash=None)
+    front = RawFrontend(zmq_ctx, handle.addresses)
+    for i in range(4):
+        reply = front.submit(f"dense-{i}", b"req", wave=0)
+        assert reply[0] == "submitted" and reply[4] is False, reply
+    received = 0
+    for peer in peers:
+        while (frames := peer.recv_dispatch(0.2)) is not None:
+            assert frames == [b"\x00", b"req"]
+            received += 1
+        assert peer.recv_publish(0.0) is None
+    assert received == 4
+    state = front.state()
+    assert (state["wave"], state["running"]) == (0, False)
+    assert "waves.start_broadcasts" not in state["counters"]
+
+
 # ---- publish cadence ----------------------------------------------------------------------
 
 
@@ -522,6 +569,12 @@ def send_garbage(ctx: Ctx, addresses: dict[str, str], target: str, rng: random.R
             sock.send(payload)
         sock.send_multipart([engine_outputs(0, start_wave=1), b"extra"])
         sock.close()
+        # Over the coordinator's message size limit: libzmq drops that connection.
+        huge = ctx.socket(zmq.PUSH)
+        huge.setsockopt(zmq.LINGER, 1000)
+        huge.connect(addresses["back_output"])
+        huge.send(b"\x99" + b"\x00" * (17 * 1024 * 1024))
+        huge.close()
     elif target == "back_publish":
         sock = ctx.socket(zmq.XSUB)
         sock.setsockopt(zmq.LINGER, 1000)
