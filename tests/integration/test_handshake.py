@@ -218,6 +218,28 @@ def test_stock_vllm_engine_bytes_complete_the_handshake(
     assert inputs1[0].recv_multipart() == [b"\x00", b"payload-bytes"]
 
 
+def test_idle_stock_engines_stay_dispatchable_past_the_lease_ttl(
+    coordinator: CoordinatorFactory, zmq_ctx: Ctx
+) -> None:
+    """vLLM engines send nothing while idle; silence must not make them dead."""
+    handle = coordinator(2, extra_args=["--lease-ttl-s", "0.6"])
+    peers = handshake_group(zmq_ctx, handle.addresses, [0, 1], dp_size=2)
+    for peer in peers:
+        peer.close_handshake()
+    time.sleep(1.8)  # three TTLs of silence from the engines
+    front = RawFrontend(zmq_ctx, handle.addresses)
+    assert [e[1] for e in front.state()["engines"]] == ["ready", "ready"]
+    for rank, peer in enumerate(peers):
+        reply = front.submit(f"after-idle-{rank}", b"req", dp_rank=rank)
+        assert reply[0] == "submitted", reply
+        frames = peer.recv_dispatch(3.0)
+        # Liveness probes (empty ABORTs) may come first; a vLLM engine ignores them.
+        while frames is not None and frames[0] == b"\x01":
+            assert unpack(frames[1]) == []
+            frames = peer.recv_dispatch(3.0)
+        assert frames == [b"\x00", b"req"]
+
+
 def msgspec_decode_init(raw: bytes) -> dict[str, Any]:
     init = unpack(raw)
     assert isinstance(init, dict) and set(init) == {"addresses", "parallel_config"}, init
@@ -436,6 +458,11 @@ def test_ready_before_hello_is_refused(coordinator: CoordinatorFactory, zmq_ctx:
     finish_group(peers)
     state = assert_group_ready(front, 2)
     assert state["counters"]["refused.handshake.out_of_order"] == 1
+    # READY is accepted once per HELLO.
+    reason = reason_of(early.ready("h-1"))
+    assert reason.startswith("duplicate READY from dp_rank=1"), reason
+    state = assert_group_ready(front, 2)
+    assert state["counters"]["refused.handshake.out_of_order"] == 2
 
 
 GARBAGE_PAYLOADS = [
