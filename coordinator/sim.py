@@ -941,13 +941,19 @@ class SimEngineGroup:
             )
             for rank in self.config.group_ranks
         ]
-        results = await asyncio.gather(
-            *(engine.start() for engine in self.engines), return_exceptions=True
-        )
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
+        loop = asyncio.get_running_loop()
+        starts = [loop.create_task(engine.start()) for engine in self.engines]
+        # One engine failing to join means the others would wait out the
+        # coordinator's READY gate for nothing: stop them all at once.
+        done, pending = await asyncio.wait(starts, return_when=asyncio.FIRST_EXCEPTION)
+        errors = [t.exception() for t in done if not t.cancelled()]
+        error = next((e for e in errors if e is not None), None)
+        if error is not None:
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
             await self.stop()
-            raise errors[0]
+            raise error
 
     def _rank_config(self, rank: int) -> SimConfig:
         if self.config.engine_id is None:

@@ -775,6 +775,30 @@ async def test_an_abort_ends_the_request_and_then_the_wave(
         await client.close()
 
 
+async def test_a_refused_rank_stops_its_group_at_once(
+    coordinator_process: CoordinatorHandle,
+) -> None:
+    client = FrontendClient(coordinator_process.addresses, client_index=0, call_timeout_s=STEP)
+    await client.register()
+    # Ranks 1 and 2 against a coordinator for ranks 0..1: rank 2 is refused, and
+    # rank 1 alone could never pass the READY gate, so it must not be left waiting.
+    group = SimEngineGroup(
+        coordinator_process.addresses["handshake"],
+        2,
+        config=sim_config(rank_start=1, ready_timeout_s=60.0),
+    )
+    began = time.monotonic()
+    try:
+        with pytest.raises(EngineRefused) as caught:
+            await asyncio.wait_for(group.start(), 15.0)
+        assert time.monotonic() - began < STEP
+        assert "dp_rank=2" in caught.value.reason
+        assert all(engine.done.is_set() for engine in group.engines)
+    finally:
+        await group.stop()
+        await client.close()
+
+
 async def test_dense_sim_engines_report_loads_without_waves() -> None:
     handle = launch(engines=2, frontends=1, lockstep=False, timeout=20.0)
     try:
