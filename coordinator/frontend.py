@@ -73,6 +73,9 @@ log = logging.getLogger("coordinator.frontend")
 
 # Ids per Finished message: the protocol's bound on one list.
 _FINISHED_BATCH = fp.MAX_ABORT_IDS
+# Finished ids kept while the coordinator does not take them, and the retry pause.
+_MAX_UNREPORTED = 1 << 20
+_REPORT_RETRY_S = 0.1
 # Position of `finish_reason` in vLLM's array-encoded EngineCoreOutput.
 _FINISH_REASON_INDEX = 5
 
@@ -628,15 +631,28 @@ class FrontendClient:
             # Let more finishes join this batch (one message, not one per request).
             await asyncio.sleep(self.finished_flush_s)
             self._report_due.clear()
-            await self._flush_finished()
+            if not await self._flush_finished():
+                # The coordinator is not taking messages (gone, or our queue to it is
+                # full): keep the ids, bounded, and try again a little later.
+                excess = len(self._to_report) - _MAX_UNREPORTED
+                if excess > 0:
+                    del self._to_report[:excess]
+                    self.stats["finished_unreported_dropped"] += excess
+                await asyncio.sleep(_REPORT_RETRY_S)
+                self._report_due.set()
 
-    async def _flush_finished(self) -> None:
+    async def _flush_finished(self) -> bool:
+        """Send the pending finished ids; False if the socket would have blocked."""
         dealer = self._dealer
         while self._to_report and dealer is not None:
             batch = self._to_report[:_FINISHED_BATCH]
-            del self._to_report[:_FINISHED_BATCH]
-            await dealer.send_multipart([fp.encode(fp.Finished(batch))])
+            try:
+                await dealer.send_multipart([fp.encode(fp.Finished(batch))], flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return False
+            del self._to_report[:len(batch)]
             self.stats["finished_reported"] += len(batch)
+        return True
 
     async def _publish_loop(self) -> None:
         sub = self._sub
