@@ -230,3 +230,32 @@ def test_vllm_input_thread_can_parse_everything_on_back_publish(
         wave, exclude = unpack(frames[1])
         assert isinstance(wave, int) and 0 <= wave < 2**32
         assert exclude is None or isinstance(exclude, int)
+
+
+def test_elastic_ep_ready_and_future_keys_are_accepted(
+    coordinator: CoordinatorFactory, zmq_ctx: Ctx
+) -> None:
+    """vLLM's READY with elastic EP carries three more keys; unknown keys are tolerated."""
+    handle = coordinator(2, extra_args=["--coord-store-port", "29777"])
+    addrs = handle.addresses
+    engines = [RawEngine(zmq_ctx, addrs, r, dp_size=2) for r in range(2)]
+    for engine in engines:
+        engine.send_handshake(pack({"status": "HELLO", "local": False, "headless": True,
+                                    "some_future_key": [1, 2, 3]}))
+        init = unpack(engine.expect_handshake())
+        assert init["parallel_config"]["_coord_store_port"] == 29777
+        engine.init = init
+        engine.connect_plane()
+        engine.subscribe()
+        engine.greet()
+    for engine in engines:
+        assert engine.expect_publish() == [READY]
+    for engine in engines:
+        engine.send_handshake(pack({
+            "status": "READY", "local": False, "headless": True,
+            "parallel_config_hash": "c0ffee",
+            "coord_store_port": 29777,
+            "elastic_ep_max_dp_size": 4,
+            "num_redundant_experts": 0,
+        }))
+        assert engine.expect_handshake() == ACCEPTED_REPLY
