@@ -137,7 +137,7 @@ class CoordinatorServer:
         self._ctx = zmq.Context()
         limit = cfg.max_message_bytes
         specs: list[tuple[str, int, list[tuple[int, int]]]] = [
-            ("handshake", zmq.ROUTER, [(zmq.ROUTER_MANDATORY, 1)]),
+            ("handshake", zmq.ROUTER, [(zmq.ROUTER_MANDATORY, 1), (zmq.ROUTER_HANDOVER, 1)]),
             ("dispatch", zmq.ROUTER, [(zmq.ROUTER_MANDATORY, 1), (zmq.ROUTER_HANDOVER, 1),
                                       (zmq.SNDHWM, 0), *self._heartbeat_options()]),
             ("back_output", zmq.PULL, [(zmq.RCVHWM, 0)]),
@@ -168,18 +168,25 @@ class CoordinatorServer:
         return [(zmq.HEARTBEAT_IVL, max(100, ttl_ms // 4)), (zmq.HEARTBEAT_TIMEOUT, ttl_ms)]
 
     def _build_parallel_config(self) -> dict[str, int | str | list[int]]:
-        """The torch DP meeting point every rank must share (lockstep mode only)."""
+        """The torch DP meeting point every rank must share (lockstep mode only).
+
+        By default rank 0 is assumed to run on the coordinator's host, as with vLLM's
+        rank-0 launcher: free ports are found there. With --master-ip the meeting
+        point is elsewhere, so its port must be given; the spare-port list then stays
+        empty and engines count up from the master port.
+        """
         cfg = self.config
         if not cfg.lockstep:
             return {}
-        host = cfg.master_ip or cfg.host or "127.0.0.1"
-        ports = list(cfg.master_port_list)
-        if cfg.master_port is None or not ports:
-            found = free_tcp_ports(host if host not in ("0.0.0.0", "::") else "127.0.0.1", 6)
-            master_port = cfg.master_port if cfg.master_port is not None else found[0]
-            ports = ports or found[1:]
+        if cfg.master_ip is not None:
+            host = cfg.master_ip
+            master_port = cfg.master_port if cfg.master_port is not None else 0
+            ports = list(cfg.master_port_list)
         else:
-            master_port = cfg.master_port
+            host = cfg.host if cfg.host not in (None, "0.0.0.0", "::") else "127.0.0.1"
+            found = free_tcp_ports(host, 6)
+            master_port = cfg.master_port if cfg.master_port is not None else found[0]
+            ports = list(cfg.master_port_list) or found[1:]
         payload: dict[str, int | str | list[int]] = {
             "data_parallel_master_ip": host,
             "data_parallel_master_port": master_port,

@@ -63,5 +63,10 @@ class ServerConfig:
             raise ValueError(f"--vllm-compat must be 0.33 or legacy, got {self.vllm_compat!r}")
         if self.loop not in ("auto", "uvloop", "asyncio"):
             raise ValueError(f"--loop must be auto, uvloop or asyncio, got {self.loop!r}")
+        if self.master_ip is not None and self.master_port is None and self.lockstep:
+            raise ValueError(
+                "--master-ip names the host where rank 0 meets its peers; give its port "
+                "with --master-port too (the coordinator cannot look for free ports there)"
+            )
         if self.lease_ttl_s <= 0:
             raise ValueError("--lease-ttl-s must be positive")
