@@ -1,0 +1,126 @@
+"""vLLM 0.33 messages as the load processes send them, built once and patched in place.
+
+Everything the drivers put on a socket comes from `coordinator.protocol.vllm`
+(or `coordinator.protocol.frontend`) so that a peer coordinator sees exactly
+vLLM's shapes. The one liberty: the stats template writes `num_waiting_reqs`
+and `step_counter` as 4-byte msgpack ints (`0xce`), which msgpack permits and
+every decoder accepts, so a sender can patch a counter into a prebuilt frame
+without re-encoding 500 bytes per message.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import coordinator.protocol.vllm as vllm
+from coordinator.protocol import frontend as fp
+
+# Any value >= 2**16 and < 2**32 makes msgspec use the 4-byte form 0xce.
+_WIDE = 0x10000000
+_WAITING_KEY = b"\xb0num_waiting_reqs"
+_STEP_KEY = b"\xacstep_counter"
+_U32 = struct.Struct(">I")
+
+
+def _u32_offset(frame: bytes, key: bytes) -> int:
+    at = frame.index(key) + len(key)
+    if frame[at] != 0xCE:
+        raise RuntimeError(f"expected a 4-byte int after {key!r}")
+    return at + 1
+
+
+class StatsTemplate:
+    """One engine's full 18-key `SchedulerStats` report with patchable counters.
+
+    `num_waiting_reqs` carries the engine's cumulative message count (the
+    monitor reads it back from the coordinator's publishes to see how far
+    ingestion got) and `step_counter` the same count, so each engine's steps
+    only go forward, as a lockstep engine's do.
+    """
+
+    def __init__(self, rank: int, *, running: int = 3, kv_cache_usage: float = 0.25) -> None:
+        stats = vllm.SchedulerStats(
+            num_running_reqs=running,
+            num_waiting_reqs=_WIDE,
+            step_counter=_WIDE,
+            current_wave=0,
+            kv_cache_usage=kv_cache_usage,
+        )
+        frame = vllm.encode_engine_outputs(
+            vllm.EngineCoreOutputs(engine_index=rank, scheduler_stats=stats, timestamp=1.0)
+        )
+        self.rank = rank
+        self.buffer = bytearray(frame)
+        self._waiting_at = _u32_offset(frame, _WAITING_KEY)
+        self._step_at = _u32_offset(frame, _STEP_KEY)
+
+    def set_counter(self, value: int) -> bytearray:
+        """Write `value` as both waiting count and step; return the frame to send."""
+        value &= 0x7FFFFFFF
+        _U32.pack_into(self.buffer, self._waiting_at, value)
+        _U32.pack_into(self.buffer, self._step_at, value)
+        return self.buffer
+
+
+def start_wave_report(rank: int, wave: int) -> bytes:
+    """An engine telling the coordinator it started `wave` (vLLM's `start_wave`)."""
+    return vllm.encode_engine_outputs(
+        vllm.EngineCoreOutputs(engine_index=rank, start_wave=wave, timestamp=1.0)
+    )
+
+
+def wave_complete_report(rank: int, wave: int) -> bytes:
+    """Rank 0 telling the coordinator that `wave` finished and engines paused."""
+    return vllm.encode_engine_outputs(
+        vllm.EngineCoreOutputs(engine_index=rank, wave_complete=wave, timestamp=1.0)
+    )
+
+
+def identity(rank: int) -> bytes:
+    return rank.to_bytes(2, "little")
+
+
+HELLO = vllm.encode_handshake(vllm.HandshakeMessage(status="HELLO", local=True, headless=True))
+READY_HANDSHAKE = vllm.encode_handshake(
+    vllm.HandshakeMessage(
+        status="READY", local=True, headless=True, parallel_config_hash="bench-hash"
+    )
+)
+
+
+def greeting(rank: int, engines: int) -> bytes:
+    """The engine's first message on its input DEALER (vLLM's ready response)."""
+    return vllm.encode_ready_response(
+        vllm.EngineReadyResponse(
+            max_model_len=4096,
+            num_gpu_blocks=1024,
+            dtype="bfloat16",
+            vllm_version="0.33.0",
+            data_parallel_size=engines,
+            data_parallel_rank=rank,
+            max_num_seqs=256,
+            max_num_batched_tokens=8192,
+            instance_id="bench",
+        )
+    )
+
+
+def submit_header(call_id: int, request_id: str, wave: int) -> bytes:
+    """`["submit", call_id, request_id, wave, None]` on the frontend DEALER."""
+    return fp.encode(fp.Submit(call_id=call_id, request_id=request_id, wave=wave, dp_rank=None))
+
+
+def finished_header(request_ids: list[str]) -> bytes:
+    return fp.encode(fp.Finished(request_ids=request_ids))
+
+
+# The reply kind is the msgpack string right after the array header.
+SUBMITTED_TAG = b"\xa9submitted"
+
+
+def is_submitted(reply: bytes) -> bool:
+    return reply[1:11] == SUBMITTED_TAG
+
+
+# What the floor answers on the frontend socket: a fixed, well-formed Submitted.
+FLOOR_SUBMITTED = fp.encode(fp.Submitted(call_id=0, request_id="floor", rank=0, woke=False))
