@@ -1,0 +1,299 @@
+"""SUMMARY.md and summary.png from the JSON files in a results directory.
+
+    python -m bench.summary [DIR]
+
+Rebuilt after every run from whatever `<scenario>.json` files are present,
+so a single-scenario run refreshes its rows and keeps the others.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from bench import report
+
+
+def _fmt(value: Any, digits: int = 0) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float) and digits == 0 and abs(value) >= 100:
+        return f"{value:,.0f}"
+    if isinstance(value, (int, float)):
+        return f"{value:,.{digits}f}"
+    return str(value)
+
+
+def _ratio(value: Any) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _target(case: dict[str, Any], name: str) -> dict[str, Any]:
+    return case.get("targets", {}).get(name, {})
+
+
+class Table:
+    def __init__(self) -> None:
+        self.rows: list[list[str]] = []
+
+    def add(self, metric: str, case: dict[str, Any], key: str, *, digits: int = 0,
+            scale: float = 1.0, goal: str = "", met: bool | None = None,
+            higher_is_better: bool = False) -> None:
+        def median(name: str) -> float | None:
+            value = _target(case, name).get("median", {}).get(key)
+            return None if value is None else value * scale
+
+        def cell(name: str) -> str:
+            value = median(name)
+            spread = _target(case, name).get("spread", {}).get(key)
+            text = _fmt(value, digits)
+            if value is not None and spread and spread[0] != spread[1]:
+                text += f" ({_fmt(spread[0] * scale, digits)} to {_fmt(spread[1] * scale, digits)})"
+            return text
+
+        ours = median("ours")
+        self.rows.append([
+            metric, cell("ours"), cell("floor"),
+            _ratio(report.ratio(ours, median("floor"))),
+            cell("peer"), _ratio(report.ratio(ours, median("peer"))),
+            _ratio(report.ratio(ours, median("ours-asyncio"))),
+            goal, "" if met is None else ("met" if met else "**missed**"),
+        ])
+        del higher_is_better
+
+    def add_values(self, metric: str, values: dict[str, Any], *, digits: int = 0,
+                   goal: str = "", met: bool | None = None) -> None:
+        ours = values.get("ours")
+        self.rows.append([
+            metric, _fmt(ours, digits), _fmt(values.get("floor"), digits),
+            _ratio(report.ratio(ours, values.get("floor"))), _fmt(values.get("peer"), digits),
+            _ratio(report.ratio(ours, values.get("peer"))),
+            _ratio(report.ratio(ours, values.get("ours-asyncio"))), goal,
+            "" if met is None else ("met" if met else "**missed**"),
+        ])
+
+    def markdown(self) -> str:
+        header = ["Metric", "ours", "floor", "ours/floor", "peer", "ours/peer",
+                  "uvloop/asyncio", "target", "result"]
+        lines = ["| " + " | ".join(header) + " |",
+                 "|" + "|".join(["---", *["---:"] * 6, "---", "---"]) + "|"]
+        lines += ["| " + " | ".join(row) + " |" for row in self.rows]
+        return "\n".join(lines)
+
+
+def _met(data: dict[str, Any], name_start: str) -> bool | None:
+    for check in data.get("checks", []):
+        if check["name"].startswith(name_start):
+            met = check.get("met")
+            return None if met is None else bool(met)
+    return None
+
+
+def build_table(results: dict[str, dict[str, Any]]) -> Table:
+    table = Table()
+    wake = results.get("wake")
+    if wake:
+        for case in wake["cases"]:
+            n = case["params"]["engines"]
+            table.add(f"Wake latency p50, N={n} (µs)", case, "p50_us")
+            goal = met = None
+            if n == 64:
+                goal = "≤ 1,000 and ≤ 1.5x floor"
+                a, b = _met(wake, "wake p99 at N=64"), _met(wake, "wake p99 at N=64 vs floor")
+                met = None if a is None and b is None else bool(a) and bool(b)
+            table.add(f"Wake latency p99, N={n} (µs)", case, "p99_us", goal=goal or "",
+                      met=met)
+    first = results.get("first_request")
+    if first:
+        for case in first["cases"]:
+            n = case["params"]["engines"]
+            table.add(f"First request, request + wake p50, N={n} (µs)", case, "p50_us")
+            table.add(f"First request, request + wake p99, N={n} (µs)", case, "p99_us")
+    stats = results.get("stats")
+    if stats:
+        case = stats["cases"][0]
+        values = {name: t.get("sustained_per_s") for name, t in case["targets"].items()}
+        table.add_values(f"Stats ingest, sustained, {case['params']['engines']} engines "
+                         "(msgs/s)", values, goal="≥ 100,000",
+                         met=_met(stats, "stats ingest"))
+        table.add("Publish interval p99 at that rate (ms)", case, "publish_p99_ms",
+                  digits=1, goal="≤ 130", met=_met(stats, "publish p99"))
+    dispatch = results.get("dispatch")
+    if dispatch:
+        case = dispatch["cases"][0]
+        p = case["params"]
+        table.add(f"Dispatch, {p['frontends']} frontends → {p['engines']} engines, 1 KB "
+                  "(submits/s)", case, "submits_per_s", goal="≥ 20,000",
+                  met=_met(dispatch, "dispatch"))
+    handshake = results.get("handshake")
+    if handshake:
+        case = handshake["cases"][0]
+        table.add(f"Handshake, {case['params']['engines']} engines all READY (ms)", case,
+                  "all_ready_ms", goal="≤ 2,000", met=_met(handshake, "handshake"))
+    cadence = results.get("cadence")
+    if cadence:
+        case = cadence["cases"][0]
+        table.add("Publish interval p50 under saturating stats (ms)", case, "publish_p50_ms",
+                  digits=1)
+        table.add("Publish interval p99 under saturating stats (ms)", case, "publish_p99_ms",
+                  digits=1, goal="≤ 130", met=_met(cadence, "publish p99"))
+        table.add("Stats absorbed under saturation (msgs/s)", case, "absorbed_per_s")
+    rss = results.get("rss")
+    if rss:
+        case = rss["cases"][0]
+        values = {name: t.get("rss_after_stats_mib") for name, t in case["targets"].items()}
+        table.add_values(f"RSS after stats, N={case['params']['engines']} (MiB)", values,
+                         digits=1, goal="≤ 80", met=_met(rss, "RSS"))
+    return table
+
+
+def machine_line(results: dict[str, dict[str, Any]]) -> tuple[str, str]:
+    dates = sorted({data["date"][:10] for data in results.values()})
+    any_result = next(iter(results.values()))
+    m = any_result["machine"]
+    modes = sorted({data["mode"] for data in results.values()})
+    loads = sorted({tuple(data["machine"].get("load_average_at_start", [])) for data in
+                    results.values()})
+    load_text = ", ".join(f"{x[0]:.1f}" for x in loads if x)
+    text = (f"{m['cpu']}, {m['cores']} cores, Linux {m['kernel']}; Python {m['python']}, "
+            f"pyzmq {m['pyzmq']} (libzmq {m['libzmq']}), msgspec {m['msgspec']}, "
+            f"uvloop {m['uvloop']}; load average at start {load_text}")
+    return ", ".join(dates) + f" ({'/'.join(modes)} run)", text
+
+
+def write_markdown(directory: str, results: dict[str, dict[str, Any]]) -> str:
+    date, machine = machine_line(results)
+    table = build_table(results)
+    lines = [
+        "# Benchmark summary",
+        "",
+        f"Date: {date}. Machine: {machine}.",
+        "",
+        "Medians over repetitions, with the spread (min to max) in brackets. *floor* is a "
+        "process with the same sockets that forwards the same messages with no logic; "
+        "*peer* is the coordinator given with `--peer`; *uvloop/asyncio* is our coordinator "
+        "on uvloop divided by the same on plain asyncio. Latency ratios below 1 and "
+        "throughput ratios above 1 favour the first named. Reproduce with "
+        "`python -m bench` (full) or `python -m bench --quick`.",
+        "",
+        table.markdown(),
+        "",
+    ]
+    notes = []
+    for data in results.values():
+        for check in data.get("checks", []):
+            if check.get("met") is False:
+                notes.append(f"- {check['name']}: {_fmt(check['value'], 2)} {check['unit']} "
+                             f"(target {check['goal']})")
+    if notes:
+        lines += ["Targets missed in this run:", "", *notes, ""]
+    path = os.path.join(directory, "SUMMARY.md")
+    with open(path, "w") as handle:
+        handle.write("\n".join(lines))
+    return path
+
+
+COLORS = {"ours": "tab:blue", "ours-asyncio": "tab:cyan", "floor": "tab:gray",
+          "peer": "tab:red"}
+
+
+def write_figure(directory: str, results: dict[str, dict[str, Any]]) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install '.[bench]'); no figure",
+              file=sys.stderr)
+        return None
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
+    quantiles = [i / 100 for i in range(101)]
+
+    def cdf_panel(ax: Any, data: dict[str, Any] | None, key: str, title: str, xlabel: str,
+                  case_filter: tuple[int, ...] | None = None) -> None:
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("fraction")
+        if not data:
+            ax.text(0.5, 0.5, "not run", ha="center", transform=ax.transAxes)
+            return
+        styles = ["-", "--", ":"]
+        for c, case in enumerate(data["cases"]):
+            engines = case["params"].get("engines")
+            if case_filter and engines not in case_filter:
+                continue
+            for name, target in case["targets"].items():
+                values = target.get(key)
+                if not values:
+                    continue
+                ax.plot(values, quantiles, styles[c % len(styles)],
+                        color=COLORS.get(name, "black"), label=f"{name} N={engines}")
+        ax.set_xscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+
+    cdf_panel(axes[0][0], results.get("wake"), "cdf_us", "Wake latency (start_wave → all "
+              "engines have START_DP_WAVE)", "µs (log)")
+    cdf_panel(axes[0][1], results.get("first_request"), "cdf_us", "First request (submit → "
+              "request + every wake delivered)", "µs (log)")
+    cdf_panel(axes[1][0], results.get("cadence"), "cdf_ms", "Full-publish intervals under "
+              "saturating stats", "ms (log)")
+
+    ax = axes[1][1]
+    groups: list[tuple[str, dict[str, float]]] = []
+    stats = results.get("stats")
+    if stats:
+        groups.append(("stats sustained\n(msgs/s)", {
+            n: t.get("sustained_per_s") or 0 for n, t in stats["cases"][0]["targets"].items()}))
+    cadence = results.get("cadence")
+    if cadence:
+        groups.append(("stats absorbed,\nsaturated (msgs/s)", {
+            n: t["median"].get("absorbed_per_s") or 0
+            for n, t in cadence["cases"][0]["targets"].items()}))
+    dispatch = results.get("dispatch")
+    if dispatch:
+        groups.append(("dispatch\n(submits/s)", {
+            n: t["median"].get("submits_per_s") or 0
+            for n, t in dispatch["cases"][0]["targets"].items()}))
+    names = [n for n in COLORS if any(n in g for _, g in groups)]
+    width = 0.8 / max(1, len(names))
+    for i, name in enumerate(names):
+        xs = [g + i * width for g in range(len(groups))]
+        ys = [values.get(name, 0) for _, values in groups]
+        ax.bar(xs, ys, width, color=COLORS[name], label=name)
+    ax.set_xticks([g + width * (len(names) - 1) / 2 for g in range(len(groups))])
+    ax.set_xticklabels([label for label, _ in groups], fontsize=8)
+    ax.set_yscale("log")
+    ax.set_title("Throughput", fontsize=10)
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    if names:
+        ax.legend(fontsize=7)
+    date, machine = machine_line(results)
+    fig.suptitle(f"dp-coordinator benchmarks, {date}\n{machine}", fontsize=8)
+    fig.tight_layout()
+    path = os.path.join(directory, "summary.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_summary(directory: str, *, figure: bool = True) -> None:
+    results = report.load_results(directory)
+    if not results:
+        return
+    write_markdown(directory, results)
+    if figure:
+        write_figure(directory, results)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    directory = args[0] if args else os.path.join(os.path.dirname(__file__), "results")
+    write_summary(directory)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
