@@ -1,0 +1,59 @@
+"""The benchmark harness runs end to end in smoke mode and writes its result files.
+
+Only that it runs and what it writes are checked; no timing is asserted (the
+numbers come from `python -m bench`, on a quiet machine).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_bench(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = os.environ.copy()
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    return subprocess.run(
+        [sys.executable, "-m", "bench", "--smoke", "--no-asyncio-compare", "--out", str(out),
+         *args],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=90, check=False,
+    )
+
+
+@pytest.mark.timeout(120)
+def test_smoke_run_writes_results(tmp_path: Path) -> None:
+    result = run_bench(tmp_path, "--scenario", "wake", "--scenario", "stats")
+    assert result.returncode == 0, result.stderr[-3000:]
+    for scenario in ("wake", "stats"):
+        data = json.loads((tmp_path / f"{scenario}.json").read_text())
+        assert data["scenario"] == scenario
+        assert data["mode"] == "smoke"
+        assert {"cpu", "cores", "python", "pyzmq", "libzmq", "msgspec"} <= data["machine"].keys()
+        assert set(data["targets"]) == {"ours", "floor"}
+        case = data["cases"][0]
+        assert {"ours", "floor"} <= case["targets"].keys()
+    wake = json.loads((tmp_path / "wake.json").read_text())["cases"][0]
+    assert wake["targets"]["ours"]["median"]["n"] > 0
+    assert "ours/floor" in wake["ratios"]
+    summary = (tmp_path / "SUMMARY.md").read_text()
+    assert "| Wake latency p99, N=4 (µs) |" in summary
+    assert "Stats ingest" in summary
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (tmp_path / "summary.png").stat().st_size > 0
+
+
+def test_unknown_scenario_is_refused(tmp_path: Path) -> None:
+    result = run_bench(tmp_path, "--scenario", "nonsense")
+    assert result.returncode == 2
+    assert "unknown scenario 'nonsense'" in result.stderr
+    assert not list(tmp_path.iterdir())
