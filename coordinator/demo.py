@@ -330,6 +330,9 @@ async def _run(args: argparse.Namespace, console: Console, result: DemoResult,
                         await asyncio.wait([run], timeout=0.125)
                         live.update(view.render())
                     result.summary = run.result()
+                    with contextlib.suppress(FrontendError):
+                        # The final frame shows the settled state, not the last poll.
+                        view.state = await gen.clients[0].query_state(timeout=1.0)
                     live.update(view.render())
             finally:
                 poller.cancel()
