@@ -63,6 +63,7 @@ __all__ = [
     "FrontendClient",
     "FrontendClosed",
     "FrontendError",
+    "InvalidRequest",
     "Notice",
     "RegisterError",
     "ReplyError",
@@ -95,6 +96,10 @@ class CoordinatorTimeout(FrontendError, TimeoutError):
         super().__init__(f"no answer from the coordinator to {what} within {timeout_s:g} s")
         self.what = what
         self.timeout_s = timeout_s
+
+
+class InvalidRequest(FrontendError, ValueError):
+    """A call's arguments are outside the protocol's bounds; nothing was sent."""
 
 
 class ReplyError(FrontendError):
@@ -466,12 +471,19 @@ class FrontendClient:
             raise FrontendClosed("the client is closed")
         limit = self.call_timeout_s if timeout is None else timeout
         call_id = next(self._call_ids)
+        frames = build(call_id)
+        try:
+            # The coordinator would answer an out-of-bounds value with a `bad_frame`
+            # error it cannot tie to this call; say what is wrong here instead.
+            fp.decode_request(frames)
+        except ProtocolError as exc:
+            raise InvalidRequest(f"{what}: {exc.message}") from None
         future: asyncio.Future[fp.FrontendReply] = asyncio.get_running_loop().create_future()
         self._pending[call_id] = future
         deadline = time.monotonic() + limit
         try:
             try:
-                await asyncio.wait_for(dealer.send_multipart(build(call_id)), limit)
+                await asyncio.wait_for(dealer.send_multipart(frames), limit)
                 reply = await asyncio.wait_for(future, max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
                 self.stats["timeouts"] += 1

@@ -23,7 +23,7 @@ import zmq
 import zmq.asyncio
 
 from coordinator.engine import AbortRequests, AddRequest, EngineAgent
-from coordinator.frontend import FrontendClient, RegisterError, SubmitError
+from coordinator.frontend import FrontendClient, InvalidRequest, RegisterError, SubmitError
 from coordinator.launch import CoordinatorHandle, launch
 from coordinator.protocol import frontend as fp
 from coordinator.protocol import vllm
@@ -308,6 +308,16 @@ async def test_refusals_have_codes(harness: Harness) -> None:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.02)
     assert first.rank == 0 and again.rank in (0, 1)
+
+    # Values outside the protocol's bounds are refused before anything is sent.
+    for kwargs in ({"dp_rank": 70000}, {"wave": -1}):
+        with pytest.raises(InvalidRequest):
+            await client.submit("r-bounds", [b"x"], **kwargs)
+    with pytest.raises(InvalidRequest):
+        await client.submit("", [b"x"])
+    with pytest.raises(ValueError):
+        await client.submit("r-nopayload", [])
+    assert client.notices_nowait() == []
 
     bad_client = harness.client(handle, client_index=5)
     with pytest.raises(RegisterError) as refused:
