@@ -291,6 +291,46 @@ def test_stats_from_rank_i_land_in_row_i(
     assert_clean(plane)
 
 
+@pytest.mark.parametrize("lockstep", [True, False], ids=["lockstep", "dense"])
+def test_step_snapshot_is_published_before_current_counts(
+    coordinator: CoordinatorFactory, zmq_ctx: Ctx, lockstep: bool
+) -> None:
+    """Spec 4.9's trace: a newer (wave, step) snapshots the last complete step first."""
+    plane = make_plane(coordinator, zmq_ctx, 2, lockstep=lockstep)
+    if lockstep:
+        plane.report(1, engine_outputs(1, start_wave=0))
+        plane.expect_wave_publish(0, True)
+    running = lockstep
+    push = plane.engines[0].push
+    assert push is not None
+    # Make a publish go out now; the next one is then ~100 ms away.
+    push.send(stats_report(1, step=0))
+    plane.front.next_full_publish()
+    # One pipe, so the three arrive in this order and well inside one interval.
+    push.send(stats_report(0, waiting=2, running=1, kv_cache_usage=0.1, step=1))
+    push.send(stats_report(1, waiting=0, running=3, step=1))
+    push.send(stats_report(0, waiting=5, running=5, step=2))
+    current = full_publish([(5, 5, 0.0), (0, 3, 0.0)], 0, running)
+    step1 = full_publish([(2, 1, 0.1), (0, 3, 0.0)], 0, running)
+    first = plane.front.next_full_publish()
+    if lockstep:
+        assert first == step1, unpack(first)
+        assert plane.front.next_full_publish() == current
+    else:
+        assert first == current, unpack(first)
+    # Per engine marks (vLLM PR 52936): rank 1 reporting step 1 after rank 0's step 2
+    # is not stale; rank 0 going back to step 1 is, and its counts still apply.
+    push.send(stats_report(1, waiting=1, running=3, step=1))
+    push.send(stats_report(0, waiting=7, running=0, step=1))
+    plane.barrier(0)
+    if lockstep:  # dense engines always send step 0, so staleness means nothing there
+        counters = plane.counters()
+        assert counters.get("stats.stale", 0) == 1, counters
+    want = full_publish([(7, 0, 0.0), (1, 3, 0.0)], 0, running)
+    plane.full_publish_where(lambda d: d[0] == unpack(want)[0])
+    assert_clean(plane)
+
+
 BAD_REPORTS: list[tuple[str, bytes]] = [
     ("rank_out_of_range", stats_report(4, waiting=99)),  # engine_index >= N
     ("rank_out_of_range", engine_outputs(5, start_wave=9)),
