@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import math
 import multiprocessing
+import os
 import random
 import statistics
 import time
@@ -255,6 +256,31 @@ def test_nothing_but_ready_reaches_an_engine_before_the_gate_opens(
         f"first frame on back_publish was {first!r}: a vLLM engine dies on anything but READY"
     )
     assert handle.is_alive()
+
+
+def test_wave_at_the_u32_limit_never_kills_the_process(
+    coordinator: CoordinatorFactory, zmq_ctx: Ctx
+) -> None:
+    """wave_complete(2**32 - 1) is in range at the edge but makes the next wave 2**32.
+
+    vLLM's Rust front-end decodes the wave as u32, so the coordinator must never
+    publish 2**32; and no engine report may stop the process (DESIGN rule 7).
+    """
+    plane = make_plane(coordinator, zmq_ctx, 2, extra_args=["--heartbeat-s", "0.5"])
+    top = 2**32 - 1
+    plane.report(1, engine_outputs(1, start_wave=top))
+    plane.expect_broadcast([b"\x02", b"\x92\xce\xff\xff\xff\xff\x01"])
+    plane.expect_wave_publish(top, True)
+    plane.report(0, engine_outputs(0, wave_complete=top))
+    plane.barrier(0)
+    plane.report(1, stats_report(1, waiting=3, running=1, step=1, wave=top))
+    # Stats keep flowing and every publish stays decodable as (counts, u32, bool).
+    _, decoded = plane.full_publish_where(lambda d: d[0][1] == [3, 1, 0.0])
+    assert 0 <= decoded[1] <= top
+    wave, _ = plane.wave_state()
+    assert 0 <= wave <= top
+    assert plane.handle.is_alive()
+    assert_clean(plane)
 
 
 # ---- stats and the load table --------------------------------------------------------------
@@ -717,6 +743,14 @@ def test_garbage_never_kills_the_process(
     assert [e[1] for e in state["engines"]] == ["ready"] * engines
     assert not {k for k in state["counters"] if k.startswith("internal_error")}, state
     assert handle.is_alive()
+    # And it still stops cleanly: exit 0, ipc socket files removed.
+    front.close()
+    for peer in peers:
+        peer.close()
+    assert handle.shutdown(timeout=5.0) == 0
+    for address in addrs.values():
+        if address.startswith("ipc://"):
+            assert not os.path.exists(address[len("ipc://"):]), address
 
 
 def test_back_publish_garbage_does_not_open_the_gate(
