@@ -131,7 +131,8 @@ class Session:
 
 class Bench:
     def __init__(self, plan: Plan, out_dir: str, specs: list[TargetSpec],
-                 command: str) -> None:
+                 command: str, peer_label: str | None = None) -> None:
+        self.peer_label = peer_label
         self.plan = plan
         self.out_dir = out_dir
         self.specs = specs
@@ -193,6 +194,7 @@ class Bench:
             "command": self.command,
             "machine": self.machine,
             "targets": [s.name for s in self.specs_for(scenario)],
+            "peer": self.peer_label if scenario in PEER_SCENARIOS else None,
             "parameters": parameters,
             "cases": cases,
             "checks": checks,
@@ -803,6 +805,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         f"{', '.join(PEER_SCENARIOS)}; '{{addr_file}}' and '{{engines}}' are "
                         "substituted; it must write an address file with back_output, "
                         "back_publish and front_publish")
+    parser.add_argument("--peer-name", default="peer", metavar="LABEL",
+                        help="what to call the peer in the JSON files (default: peer)")
     parser.add_argument("--no-uvloop", action="store_true",
                         help="run our coordinator on plain asyncio only (no uvloop on/off "
                         "comparison)")
@@ -847,9 +851,12 @@ def main(argv: list[str] | None = None) -> int:
         specs.append(FLOOR)
     if args.peer:
         specs.append(peer_spec(args.peer))
+        peer_label = args.peer_name
+    else:
+        peer_label = None
     raise_fd_limit()
     command = "python -m bench " + " ".join(sys.argv[1:] if argv is None else argv)
-    bench = Bench(plan, args.out, specs, command.strip())
+    bench = Bench(plan, args.out, specs, command.strip(), peer_label)
     started = time.monotonic()
     log(f"{plan.mode} run: scenarios {', '.join(chosen)}; targets "
         f"{', '.join(s.name for s in specs)}; {plan.reps} repetition(s)")

@@ -165,6 +165,9 @@ def machine_line(results: dict[str, dict[str, Any]]) -> tuple[str, str]:
 def write_markdown(directory: str, results: dict[str, dict[str, Any]]) -> str:
     date, machine = machine_line(results)
     table = build_table(results)
+    peers = sorted({str(data["peer"]) for data in results.values() if data.get("peer")})
+    peer_text = (f"*peer* is {', '.join(peers)}, given with `--peer`" if peers else
+                 "*peer* is a coordinator given with `--peer` (none in this run)")
     lines = [
         "# Benchmark summary",
         "",
@@ -172,7 +175,7 @@ def write_markdown(directory: str, results: dict[str, dict[str, Any]]) -> str:
         "",
         "Medians over repetitions, with the spread (min to max) in brackets. *floor* is a "
         "process with the same sockets that forwards the same messages with no logic; "
-        "*peer* is the coordinator given with `--peer`; *uvloop/asyncio* is our coordinator "
+        f"{peer_text}; *uvloop/asyncio* is our coordinator "
         "on uvloop divided by the same on plain asyncio. Latency ratios below 1 and "
         "throughput ratios above 1 favour the first named. Reproduce with "
         "`python -m bench` (full) or `python -m bench --quick`.",
@@ -204,6 +207,7 @@ def write_figure(directory: str, results: dict[str, dict[str, Any]]) -> str | No
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
     except ImportError:
         print("matplotlib is not installed (pip install '.[bench]'); no figure",
               file=sys.stderr)
@@ -212,7 +216,7 @@ def write_figure(directory: str, results: dict[str, dict[str, Any]]) -> str | No
     quantiles = [i / 100 for i in range(101)]
 
     def cdf_panel(ax: Any, data: dict[str, Any] | None, key: str, title: str, xlabel: str,
-                  case_filter: tuple[int, ...] | None = None) -> None:
+                  case_filter: tuple[int, ...] | None = None, log: bool = True) -> None:
         ax.set_title(title, fontsize=10)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("fraction")
@@ -230,7 +234,11 @@ def write_figure(directory: str, results: dict[str, dict[str, Any]]) -> str | No
                     continue
                 ax.plot(values, quantiles, styles[c % len(styles)],
                         color=COLORS.get(name, "black"), label=f"{name} N={engines}")
-        ax.set_xscale("log")
+        if log:
+            ax.set_xscale("log")
+            ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+            ax.xaxis.set_minor_formatter(NullFormatter())
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
 
@@ -239,7 +247,7 @@ def write_figure(directory: str, results: dict[str, dict[str, Any]]) -> str | No
     cdf_panel(axes[0][1], results.get("first_request"), "cdf_us", "First request (submit → "
               "request + every wake delivered)", "µs (log)")
     cdf_panel(axes[1][0], results.get("cadence"), "cdf_ms", "Full-publish intervals under "
-              "saturating stats", "ms (log)")
+              "saturating stats (target p99 <= 130 ms)", "ms", log=False)
 
     ax = axes[1][1]
     groups: list[tuple[str, dict[str, float]]] = []
@@ -262,7 +270,8 @@ def write_figure(directory: str, results: dict[str, dict[str, Any]]) -> str | No
     for i, name in enumerate(names):
         xs = [g + i * width for g in range(len(groups))]
         ys = [values.get(name, 0) for _, values in groups]
-        ax.bar(xs, ys, width, color=COLORS[name], label=name)
+        bars = ax.bar(xs, ys, width, color=COLORS[name], label=name)
+        ax.bar_label(bars, labels=[f"{y / 1000:.0f}k" if y else "" for y in ys], fontsize=7)
     ax.set_xticks([g + width * (len(names) - 1) / 2 for g in range(len(groups))])
     ax.set_xticklabels([label for label, _ in groups], fontsize=8)
     ax.set_yscale("log")
