@@ -103,12 +103,12 @@ def test_group_handshake_in_random_order(
     handle = coordinator(engines, transport=transport)
     addrs = handle.addresses
     rng = random.Random(1000 + engines)
-    peers = {r: RawEngine(zmq_ctx, addrs, r, dp_size=engines) for r in range(engines)}
-
+    peers: dict[int, RawEngine] = {}
     order = list(range(engines))
     rng.shuffle(order)
     parallel_configs = []
     for rank in order:
+        peers[rank] = RawEngine(zmq_ctx, addrs, rank, dp_size=engines)  # connects now
         peers[rank].send_handshake(hello_payload(local=True, headless=False))
         raw = peers[rank].expect_handshake()
         init = check_init(raw, addrs, dp_size=engines)

@@ -518,16 +518,20 @@ def test_full_publishes_every_interval_while_stats_change(
 ) -> None:
     plane = make_plane(coordinator, zmq_ctx, 2)
     samples: list[tuple[float, bytes]] = []
-    deadline = time.monotonic() + 1.2
+    window = 1.2
+    start = time.monotonic()
     step = 0
-    while time.monotonic() < deadline:
+    while time.monotonic() < start + window:
         step += 1
         plane.report(step % 2, stats_report(step % 2, waiting=step, running=1, step=step))
         samples += plane.front.drain_publishes(0.02)
-    g = gaps(full_publish_times(samples))
+    times = full_publish_times(samples)
+    g = gaps(times)
     assert len(g) >= 7, g
     assert 0.08 <= statistics.median(g) <= 0.16, g
-    assert min(g) >= 0.07, f"publishes closer than the 100 ms interval: {g}"
+    # "At most every 100 ms", counted rather than timed so that scheduling jitter in
+    # this process cannot fake a short gap: at most one publish per interval (+ edges).
+    assert len(times) <= window / 0.1 + 2, g
     assert max(g) <= 0.4, g
 
 
@@ -537,7 +541,8 @@ def test_heartbeat_when_idle(coordinator: CoordinatorFactory, zmq_ctx: Ctx) -> N
     times = full_publish_times(samples)
     # The subscription publish came just before; heartbeats follow every 0.5 s.
     assert 3 <= len(times) <= 4, times
-    assert all(0.4 <= x <= 0.75 for x in gaps(times)), gaps(times)
+    assert 0.4 <= statistics.median(gaps(times)) <= 0.7, gaps(times)
+    assert min(gaps(times)) >= 0.25, gaps(times)  # nothing on the 100 ms "changed" cadence
     # Idle heartbeats repeat the same bytes.
     assert {buf for _, buf in samples} == {full_publish([(0, 0, 0.0)] * 2, 0, False)}
 
