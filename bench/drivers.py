@@ -779,10 +779,10 @@ class Worker:
             try:
                 if not self._busy:
                     self.conn.send(("__exit__", {}))
-                    self.conn.poll(5.0)
+                    self.conn.poll(2.0)
             except (BrokenPipeError, OSError):
                 pass
-            self.process.join(5.0)
+            self.process.join(1.0)
         self.kill()
 
     def kill(self) -> None:

@@ -20,6 +20,7 @@ import contextlib
 import itertools
 import math
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -820,6 +821,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
 def uvloop_available() -> bool:
     try:
         import uvloop  # noqa: F401
@@ -861,16 +866,22 @@ def main(argv: list[str] | None = None) -> int:
     log(f"{plan.mode} run: scenarios {', '.join(chosen)}; targets "
         f"{', '.join(s.name for s in specs)}; {plan.reps} repetition(s)")
     failed: list[str] = []
-    for name in SCENARIOS:
-        if name not in chosen:
-            continue
-        t0 = time.monotonic()
-        try:
-            getattr(bench, name)()
-        except (DriverError, TargetError, OSError) as exc:
-            log(f"{name}: failed: {exc}")
-            failed.append(name)
-        log(f"{name}: {time.monotonic() - t0:.1f} s")
+    # SIGTERM unwinds like Ctrl-C, so every target and load process is stopped.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        for name in SCENARIOS:
+            if name not in chosen:
+                continue
+            t0 = time.monotonic()
+            try:
+                getattr(bench, name)()
+            except (DriverError, TargetError, OSError) as exc:
+                log(f"{name}: failed: {exc}")
+                failed.append(name)
+            log(f"{name}: {time.monotonic() - t0:.1f} s")
+    except KeyboardInterrupt:
+        log("interrupted; partial results are in place")
+        return 130
     from bench import summary
 
     summary.write_summary(args.out, figure=not args.no_figure)

@@ -86,6 +86,21 @@ def ours_command(spec: TargetSpec, engines: int, addr_file: str) -> list[str]:
     return [sys.executable, "-m", "coordinator", *serve_args]
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM if the bench process dies (Linux only).
+
+    A killed or crashed harness must not leave coordinators running behind it.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
 @dataclass
 class RunningTarget:
     spec: TargetSpec
@@ -168,6 +183,7 @@ def start_target(spec: TargetSpec, *, engines: int, mode: str, timeout: float = 
         process = subprocess.Popen(
             argv, shell=isinstance(argv, str), stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=group, env=env,
+            preexec_fn=_die_with_parent,
         )
     target = RunningTarget(spec, engines, process, {}, workdir, stderr_path, group)
     deadline = time.monotonic() + timeout
