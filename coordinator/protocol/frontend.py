@@ -227,11 +227,29 @@ def decode_request(frames: Sequence[bytes]) -> tuple[FrontendRequest, list[bytes
         if not payload:
             raise ProtocolError("submit carries no payload frames", reason="frame_count")
     elif payload:
+        tag = type(header).__struct_config__.tag
         raise ProtocolError(
-            f"{type(header).__name__.lower()} takes no payload frames, got {len(payload)}",
-            reason="frame_count",
+            f"'{tag}' takes no payload frames, got {len(payload)}", reason="frame_count"
         )
     return header, payload
+
+
+def salvage_call_id(header: bytes) -> int:
+    """The call id of a header that failed to decode, if its first two elements are
+    readable as [tag, call_id]; else 0. Lets a client match the error to its call."""
+    try:
+        loose = msgspec.msgpack.decode(header)
+    except (msgspec.DecodeError, RecursionError):
+        return 0
+    if (
+        isinstance(loose, list)
+        and len(loose) >= 2
+        and isinstance(loose[1], int)
+        and not isinstance(loose[1], bool)
+        and 0 <= loose[1] <= 2**63 - 1
+    ):
+        return loose[1]
+    return 0
 
 
 def decode_reply(frame: bytes) -> FrontendReply:

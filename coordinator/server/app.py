@@ -119,6 +119,7 @@ class CoordinatorServer:
         self._parallel_config: dict[str, int | str | list[int]] = {}
         self._wave_listeners: list[Callable[[WaveAction], None]] = []
         self._publish_requested = False
+        self._inits_sent = False
         self._row_width = 2 if config.vllm_compat == "legacy" else 3
 
     # ---- setup and teardown -------------------------------------------------
@@ -372,6 +373,7 @@ class CoordinatorServer:
             addresses=self._engine_addresses(), parallel_config=self._parallel_config
         )
         if self._send_router("handshake", identity, vllm.encode_init(meta)):
+            self._inits_sent = True
             log.info("dp_rank=%d: sent INIT", rank)
 
     def _engine_addresses(self) -> vllm.EngineZmqAddresses:
@@ -584,7 +586,8 @@ class CoordinatorServer:
             message, payload = fp.decode_request(frames[1:])
         except ProtocolError as exc:
             self._drop("frontend", exc.reason, exc.message)
-            self._reply(identity, fp.ErrorReply(0, fp.ERR_BAD_FRAME, exc.message))
+            call_id = fp.salvage_call_id(frames[1]) if len(frames) > 1 else 0
+            self._reply(identity, fp.ErrorReply(call_id, fp.ERR_BAD_FRAME, exc.message))
             return
         if isinstance(message, fp.Submit):
             self._on_submit(identity, message, payload)
@@ -617,12 +620,26 @@ class CoordinatorServer:
                                                 "too many frontends registered"))
             return
         previous = self.frontends.get(msg.client_index)
+        if (
+            previous is not None
+            and previous.output_address != msg.output_address
+            and self._inits_sent
+        ):
+            # Engines learnt the old address in INIT and keep pushing there; taking the
+            # new one would silently lose every output for this client index.
+            self._reply(identity, fp.ErrorReply(
+                msg.call_id, fp.ERR_BAD_CLIENT_INDEX,
+                f"client_index {msg.client_index} is registered with outputs at "
+                f"{previous.output_address}, which engines already use; a restarted frontend "
+                f"must bind that same address (or use another client index)"))
+            return
         self.frontends[msg.client_index] = FrontendPeer(
             identity, msg.client_index, msg.output_address, msg.input_address
         )
         if previous is not None and previous.identity != identity:
-            log.warning("frontend client_index=%d re-registered from a new connection",
-                        msg.client_index)
+            moved = self._move_requests(previous.identity, identity)
+            log.warning("frontend client_index=%d re-registered from a new connection; "
+                        "%d in-flight requests now report to it", msg.client_index, moved)
         else:
             log.info("frontend client_index=%d registered (outputs at %s)", msg.client_index,
                      msg.output_address)
@@ -634,6 +651,15 @@ class CoordinatorServer:
             pending, self.pending_inits = self.pending_inits, {}
             for rank, engine_identity in sorted(pending.items()):
                 self._send_init(rank, engine_identity)
+
+    def _move_requests(self, old: bytes, new: bytes) -> int:
+        """Failure notices for a restarted frontend's requests go to its new connection."""
+        moved = 0
+        for entry in self.in_flight.values():
+            if entry.frontend == old:
+                entry.frontend = new
+                moved += 1
+        return moved
 
     def _on_submit(self, identity: bytes, msg: fp.Submit, payload: list[bytes]) -> None:
         def refuse(code: str, text: str) -> None:

@@ -377,22 +377,24 @@ async def test_bad_frames_get_error_replies_and_service_continues(harness: Harne
     await client.register()
     await harness.agents_for(handle, range(2))
     raw = harness.raw_socket(zmq.DEALER, handle.addresses["frontend"])
-    garbage: list[list[bytes]] = [
-        [b"\xc1"],                                                    # not msgpack
-        [b""],                                                        # empty header
-        [msgspec.msgpack.encode(["no-such-kind", 1])],                # unknown tag
-        [msgspec.msgpack.encode(["submit", 1, "id", 0])],             # submit, no payload
-        [fp.encode(fp.QueryState(7)), b"extra"],                      # payload where none
-        [msgspec.msgpack.encode(["submit", 1, "id", -1, None]), b"p"],  # negative wave
-        [msgspec.msgpack.encode(["submit", 1, "", 0, None]), b"p"],     # empty request id
-        [msgspec.msgpack.encode(["admin", 1, "reboot", 0])],          # unknown command
-        [msgspec.msgpack.encode(["state"])],                          # missing call id
+    # Each bad frame with the call id the error reply must echo: the header's own id
+    # when its first two elements are readable as [tag, id], else 0.
+    garbage: list[tuple[list[bytes], int]] = [
+        ([b"\xc1"], 0),                                                     # not msgpack
+        ([b""], 0),                                                         # empty header
+        ([msgspec.msgpack.encode(["no-such-kind", 1])], 1),                 # unknown tag
+        ([msgspec.msgpack.encode(["submit", 2, "id", 0])], 2),              # no payload
+        ([fp.encode(fp.QueryState(7)), b"extra"], 7),                       # payload where none
+        ([msgspec.msgpack.encode(["submit", 3, "id", -1, None]), b"p"], 3),  # negative wave
+        ([msgspec.msgpack.encode(["submit", 4, "", 0, None]), b"p"], 4),     # empty request id
+        ([msgspec.msgpack.encode(["admin", 5, "reboot", 0])], 5),           # unknown command
+        ([msgspec.msgpack.encode(["state"])], 0),                           # missing call id
     ]
-    for frames in garbage:
+    for frames, call_id in garbage:
         await asyncio.wait_for(raw.send_multipart(frames), STEP)
         reply = fp.decode_reply(await asyncio.wait_for(raw.recv(), STEP))
         assert isinstance(reply, fp.ErrorReply), frames
-        assert (reply.call_id, reply.code) == (0, fp.ERR_BAD_FRAME), frames
+        assert (reply.call_id, reply.code) == (call_id, fp.ERR_BAD_FRAME), frames
         assert reply.message
 
     # The same raw socket and the SDK client are both still served.

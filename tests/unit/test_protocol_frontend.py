@@ -132,3 +132,26 @@ def test_wrong_shaped_headers_only_ever_raise_protocol_error(
         fp.decode_request([header, *payload])
     with contextlib.suppress(ProtocolError):
         fp.decode_reply(header)
+
+
+@pytest.mark.parametrize(
+    ("header", "call_id"),
+    [
+        (msgspec.msgpack.encode(["submit", 17, "", 0, None]), 17),  # readable id, bad field
+        (msgspec.msgpack.encode(["nope", 5]), 5),
+        (msgspec.msgpack.encode(["state", -1]), 0),
+        (msgspec.msgpack.encode(["state", True]), 0),
+        (msgspec.msgpack.encode(["state", 2**64 - 1]), 0),
+        (msgspec.msgpack.encode(["state"]), 0),
+        (msgspec.msgpack.encode({"a": 1}), 0),
+        (b"\xc1", 0),
+        (b"\x91" * 5000, 0),  # nesting deep enough to exhaust the decoder
+    ],
+)
+def test_salvage_call_id_recovers_only_a_plausible_id(header: bytes, call_id: int) -> None:
+    assert fp.salvage_call_id(header) == call_id
+
+
+def test_payload_error_names_the_wire_tag() -> None:
+    with pytest.raises(ProtocolError, match="'state' takes no payload frames"):
+        fp.decode_request([fp.encode(fp.QueryState(1)), b"x"])
