@@ -4,6 +4,8 @@ Subcommands:
   serve   run the coordinator process (binds six sockets, writes an address file)
   demo    coordinator + simulated engines + load generator, with a live view
   status  print the state of a running coordinator once, or keep it live
+  top     live terminal view of ranks, loads, wave, rates and the watchdog
+  keygen  write a CURVE key pair
 """
 
 from __future__ import annotations
@@ -86,6 +88,11 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
                    help="event loop (default auto: uvloop when installed)")
     p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"], help="default info")
+    from coordinator.security import add_curve_arguments
+    from coordinator.server.http import add_observability_arguments
+
+    add_observability_arguments(p)
+    add_curve_arguments(p)
 
 
 def add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -140,9 +147,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    from coordinator.security import add_keygen_parser
+    from coordinator.top import add_top_parser
+
     add_serve_parser(sub)
     add_demo_parser(sub)
     add_status_parser(sub)
+    add_top_parser(sub)
+    add_keygen_parser(sub)
     return parser
 
 
@@ -169,6 +181,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         coord_store_port=args.coord_store_port,
         vllm_compat=args.vllm_compat,
         loop=args.loop,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+        watchdog_stall_s=args.watchdog_stall_s,
+        watchdog_rewake=args.watchdog_rewake,
+        recorder_size=args.recorder_size,
+        curve_secret_key=args.curve_secret_key,
+        curve_clients_dir=args.curve_clients_dir,
+        insecure=args.insecure,
     )
     return run_server(config)
 
@@ -190,5 +210,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from coordinator.demo import run_demo
 
         return run_demo(args)
+    if args.command == "top":
+        from coordinator.top import run_top
+
+        return run_top(args)
+    if args.command == "keygen":
+        from coordinator.security import run_keygen
+
+        return run_keygen(args)
     parser.print_help(sys.stderr)
     return 2

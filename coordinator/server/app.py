@@ -34,11 +34,23 @@ from coordinator.core.membership import (
     Refused,
 )
 from coordinator.core.publishing import PublishSchedule
+from coordinator.core.recorder import (
+    KIND_MEMBERSHIP,
+    KIND_REFUSAL,
+    KIND_WAKE,
+    KIND_WATCHDOG,
+    KIND_WAVE,
+    FlightRecorder,
+    WaveTimeline,
+)
+from coordinator.core.watchdog import HangWatchdog
 from coordinator.core.waves import BroadcastStartWave, PublishWave, WaveAction, WaveState
 from coordinator.protocol import frontend as fp
 from coordinator.protocol.errors import ProtocolError
 from coordinator.protocol.identity import identity_to_rank, rank_to_identity
+from coordinator.security import CurveServer
 from coordinator.server.config import ServerConfig
+from coordinator.server.http import HttpEndpoints, ObservedState, RankView
 from coordinator.server.transport import (
     FrameReader,
     RateLimitedLog,
@@ -120,6 +132,15 @@ class CoordinatorServer:
         self._wave_listeners: list[Callable[[WaveAction], None]] = []
         self._publish_requested = False
         self._inits_sent = False
+        now = clock()
+        self.recorder = FlightRecorder(config.recorder_size)
+        self.watchdog = HangWatchdog(stall_after_s=config.watchdog_stall_s or 30.0)
+        self.timeline = WaveTimeline(now=now)
+        self.dispatched_by_rank: Counter[int] = Counter()
+        self.http: HttpEndpoints | None = None
+        self.curve: CurveServer | None = None
+        self._recorder_json: tuple[int, list[dict[str, object]]] = (0, [])
+        self._last_http_update = 0.0
         self._row_width = 2 if config.vllm_compat == "legacy" else 3
 
     # ---- setup and teardown -------------------------------------------------
@@ -137,6 +158,11 @@ class CoordinatorServer:
         ipc_dir = self._ipc_dir or ""
         self._ctx = zmq.Context()
         limit = cfg.max_message_bytes
+        configure = None
+        if cfg.curve_secret_key is not None and cfg.curve_clients_dir is not None:
+            self.curve = CurveServer(self._ctx, cfg.curve_secret_key, cfg.curve_clients_dir)
+            self.curve.start()
+            configure = self.curve.configure_socket
         specs: list[tuple[str, int, list[tuple[int, int]]]] = [
             ("handshake", zmq.ROUTER, [(zmq.ROUTER_MANDATORY, 1), (zmq.ROUTER_HANDOVER, 1)]),
             ("dispatch", zmq.ROUTER, [(zmq.ROUTER_MANDATORY, 1), (zmq.ROUTER_HANDOVER, 1),
@@ -150,7 +176,8 @@ class CoordinatorServer:
             for key, kind, options in specs:
                 endpoint = make_endpoint(key, host=cfg.host, ipc_dir=ipc_dir)
                 sock, resolved = bind_socket(
-                    self._ctx, kind, endpoint, max_message_bytes=limit, options=options
+                    self._ctx, kind, endpoint, max_message_bytes=limit, options=options,
+                    configure=configure if endpoint.startswith("tcp://") else None,
                 )
                 self._sockets[key] = sock
                 self.addresses[key] = resolved
@@ -158,6 +185,10 @@ class CoordinatorServer:
             self.close()
             raise
         self._parallel_config = self._build_parallel_config()
+        if cfg.metrics_port is not None:
+            self.http = HttpEndpoints(cfg.metrics_host, cfg.metrics_port, clock=self.clock)
+            port = self.http.start()
+            log.info("metrics and health endpoints on http://%s:%d/", cfg.metrics_host, port)
         if cfg.addr_file:
             write_address_file(cfg.addr_file, self.addresses)
         return dict(self.addresses)
@@ -199,9 +230,15 @@ class CoordinatorServer:
         return payload
 
     def close(self) -> None:
+        if self.http is not None:
+            self.http.stop()
+            self.http = None
         for sock in self._sockets.values():
             sock.close()
         self._sockets.clear()
+        if self.curve is not None:
+            self.curve.stop()  # before term(): the ZAP thread holds a socket
+            self.curve = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -241,6 +278,7 @@ class CoordinatorServer:
         ]
         tasks.append(asyncio.ensure_future(self._publish_loop()))
         tasks.append(asyncio.ensure_future(self._lease_loop()))
+        tasks.append(asyncio.ensure_future(self._observe_loop()))
         stopper = asyncio.ensure_future(stop.wait())
         try:
             done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
@@ -316,6 +354,8 @@ class CoordinatorServer:
 
     def _refuse_handshake(self, identity: bytes, reason: str, message: str) -> None:
         self.counters[f"refused.handshake.{reason}"] += 1
+        rank = int.from_bytes(identity, "little") if len(identity) == 2 else None
+        self._record(KIND_REFUSAL, reason, rank=rank, identity=identity.hex(), message=message)
         self._ratelog.log(logging.ERROR, f"refuse:{reason}:{identity!r}",
                           "refused engine %r: %s", identity, message)
         self._handshake_error(identity, message)
@@ -361,6 +401,8 @@ class CoordinatorServer:
     def _note_accepted(self, step: str, result: Accepted) -> None:
         lease = result.lease
         self.counters[f"handshake.{step}.accepted"] += 1
+        self._record(KIND_MEMBERSHIP, f"{step} accepted", rank=lease.rank,
+                     engine_id=lease.engine_id, incarnation=lease.incarnation)
         if result.replaced is not None:
             self.counters["handshake.replaced"] += 1
             log.warning("dp_rank=%d: engine %s replaces %s (previous registration %s)",
@@ -463,29 +505,64 @@ class CoordinatorServer:
                                   "(wave %d, step %d), behind its previous report; counters "
                                   "restarted?", rank, stats.current_wave, stats.step_counter)
             self.counters["stats.reports"] += 1
+            self.watchdog.observe_stats(
+                rank, wave=stats.current_wave, step=stats.step_counter, now=now
+            )
             if not was_changed and self.loads.changed:
                 self._stats_dirty.set()
-            self._apply_wave_actions(self.waves.on_reported_wave(rank, stats.current_wave))
-        if msg.wave_complete is not None or msg.start_wave is not None:
             self._apply_wave_actions(
-                self.waves.on_engine_output(rank, msg.wave_complete, msg.start_wave, now=now)
+                self.waves.on_reported_wave(rank, stats.current_wave),
+                cause=f"stats from rank {rank} report wave {stats.current_wave}", rank=rank,
+            )
+        if msg.wave_complete is not None or msg.start_wave is not None:
+            if msg.wave_complete is not None:
+                cause = f"wave_complete({msg.wave_complete}) from rank {rank}"
+            else:
+                cause = f"start_wave({msg.start_wave}) from rank {rank}"
+            self._apply_wave_actions(
+                self.waves.on_engine_output(rank, msg.wave_complete, msg.start_wave, now=now),
+                cause=cause, rank=rank,
             )
 
-    def _apply_wave_actions(self, actions: Sequence[WaveAction]) -> None:
+    def _apply_wave_actions(
+        self, actions: Sequence[WaveAction], *, cause: str, rank: int | None,
+        coordinator_wake: bool = False,
+    ) -> None:
+        now = self.clock()
         for action in actions:
             if isinstance(action, BroadcastStartWave):
                 frames = vllm.encode_start_dp_wave(action.wave, action.exclude)
                 self._send_pub("back_publish", frames)
                 self.counters["waves.start_broadcasts"] += 1
-                log.debug("START_DP_WAVE [%d, %s]", action.wave, action.exclude)
+                if coordinator_wake:
+                    self.timeline.wake_sent(action.wave, now)
+                self._record(KIND_WAKE, cause, rank=rank, exclude=action.exclude)
+                log.debug("START_DP_WAVE [%d, %s] (%s)", action.wave, action.exclude, cause)
             elif isinstance(action, PublishWave):
                 self._send_pub(
                     "front_publish", [vllm.encode_front_publish(None, action.wave, action.running)]
                 )
                 self.counters["publish.wave"] += 1
-                log.info("wave %d %s", action.wave, "running" if action.running else "paused")
+                self.timeline.observe(action.wave, action.running, now)
+                self.watchdog.observe_group(
+                    running=action.running, wave=action.wave, ranks=self._rank_range(), now=now
+                )
+                self._record(KIND_WAVE, cause, rank=rank)
+                log.info("wave %d %s (%s)", action.wave,
+                         "running" if action.running else "paused", cause)
             for listener in self._wave_listeners:
                 listener(action)
+        if actions:
+            self._push_observed(now)
+
+    def _rank_range(self) -> range:
+        return range(self.config.rank_start, self.config.rank_start + self.config.engines)
+
+    def _record(self, kind: str, cause: str, *, rank: int | None = None,
+                **detail: object) -> None:
+        wave, running = self.waves.snapshot()
+        self.recorder.record(at=self.clock(), kind=kind, cause=cause, wave=wave,
+                             running=running, rank=rank, **detail)
 
     # ---- back_publish upstream (XPUB, vLLM C3): the startup gate ------------
 
@@ -556,7 +633,8 @@ class CoordinatorServer:
             return
         self.counters["legacy.first_requests"] += 1
         self._apply_wave_actions(
-            self.waves.on_first_request(message.engine_index, message.wave, now=self.clock())
+            self.waves.on_first_request(message.engine_index, message.wave, now=self.clock()),
+            cause="legacy first request", rank=message.engine_index, coordinator_wake=True,
         )
 
     def _resize(self, new_total: int) -> None:
@@ -698,8 +776,10 @@ class CoordinatorServer:
             refuse(fp.ERR_ENGINE_UNREACHABLE, f"dp_rank={chosen} is not connected on dispatch")
             return
         actions = self.waves.on_first_request(chosen, msg.wave, now=self.clock())
-        self._apply_wave_actions(actions)
+        self._apply_wave_actions(actions, cause=f"first request {msg.request_id!r}", rank=chosen,
+                                 coordinator_wake=True)
         self.loads.note_dispatched(chosen)
+        self.dispatched_by_rank[chosen] += 1
         self.in_flight[msg.request_id] = InFlight(chosen, identity)
         self.in_flight_by_rank[chosen] += 1
         self.counters["submit.dispatched"] += 1
@@ -760,6 +840,10 @@ class CoordinatorServer:
     # ---- membership changes and leases --------------------------------------
 
     def _on_rank_changed(self, change: RankChanged) -> None:
+        self._record(KIND_MEMBERSHIP, change.cause, rank=change.rank,
+                     old=change.old.value if change.old else None,
+                     new=change.new.value if change.new else None)
+        self._push_observed(self.clock())
         log.info("dp_rank=%d: %s -> %s (%s)", change.rank,
                  change.old.value if change.old else "absent",
                  change.new.value if change.new else "absent", change.cause)
@@ -811,6 +895,79 @@ class CoordinatorServer:
                     self._on_rank_changed(change)
         for change in self.membership.expire(now):
             self._on_rank_changed(change)
+
+    # ---- watchdog and observability -----------------------------------------
+
+    async def _observe_loop(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            self.observe_tick(self.clock())
+
+    def observe_tick(self, now: float) -> None:
+        wave, running = self.waves.snapshot()
+        self.watchdog.observe_group(
+            running=running and self.config.lockstep, wave=wave, ranks=self._rank_range(),
+            now=now,
+        )
+        if self.config.watchdog_stall_s > 0:
+            for alert in self.watchdog.check(now):
+                self.counters[f"watchdog.{alert.kind}"] += 1
+                self._record(KIND_WATCHDOG, alert.kind, ranks=list(alert.ranks),
+                             message=alert.message)
+                log.error("WATCHDOG: %s", alert.message)
+                self.log_recorder_tail(50, now)
+                if self.config.watchdog_rewake and alert.kind == "no_progress":
+                    self._send_pub("back_publish", vllm.encode_start_dp_wave(wave, None))
+                    self.counters["watchdog.rewakes"] += 1
+                    log.warning("watchdog: re-broadcast START_DP_WAVE [%d, nil]", wave)
+        self._push_observed(now, force=True)
+
+    def dump_recorder(self) -> None:
+        """Log the whole flight recorder (SIGUSR1)."""
+        self.log_recorder_tail(None, self.clock())
+
+    def log_recorder_tail(self, n: int | None, now: float) -> None:
+        for line in self.recorder.format_lines(n, now=now):
+            log.warning("%s", line)
+
+    def _push_observed(self, now: float, *, force: bool = False) -> None:
+        """Hand the HTTP thread a fresh snapshot (at most every 50 ms unless forced)."""
+        if self.http is None or (not force and now - self._last_http_update < 0.05):
+            return
+        self._last_http_update = now
+        self.http.update(self.observed_state(now))
+
+    def observed_state(self, now: float) -> ObservedState:
+        from coordinator.frontend import group_state_to_builtins
+
+        wave, running = self.waves.snapshot()
+        ranks = []
+        for rank in self._rank_range():
+            lease = self.membership.lease(rank)
+            load = self.loads.load(rank)
+            ranks.append(RankView(
+                rank=rank, state=lease.state.value if lease else "absent",
+                waiting=load.waiting, running=load.running,
+                kv_cache_usage=load.kv_cache_usage, dispatched=self.dispatched_by_rank[rank],
+                report_age_s=self.watchdog.report_age(rank, now),
+                in_flight=self.in_flight_by_rank.get(rank, 0),
+            ))
+        counters = dict(self.counters)
+        if self.curve is not None:
+            counters.update(self.curve.counters())
+        if self._recorder_json[0] != self.recorder.recorded:
+            self._recorder_json = (self.recorder.recorded, self.recorder.as_json())
+        totals = self.timeline.totals(now)
+        return ObservedState(
+            taken_at=now, wave=wave, running=running, lockstep=self.config.lockstep,
+            ranks=ranks, counters=counters, waves_total=totals.waves_started,
+            seconds_running=totals.seconds_running, seconds_paused=totals.seconds_paused,
+            wake_latencies_s=self.timeline.take_wake_latencies(),
+            watchdog=[alert.as_dict(now) for alert in self.watchdog.active],
+            recorder_tail=list(self._recorder_json[1]),
+            all_ready=self.membership.all_ready(now=now),
+            state_json=group_state_to_builtins(self.group_state()),
+        )
 
     # ---- publishing (XPUB front_publish, vLLM C1) ---------------------------
 

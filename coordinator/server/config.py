@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from coordinator.security import check_bind_safety
 from coordinator.server.transport import DEFAULT_MAX_MESSAGE_BYTES
 
 
@@ -45,6 +46,18 @@ class ServerConfig:
     """Event loop: "auto" (uvloop when installed), "uvloop" or "asyncio"."""
     log_interval_s: float = 5.0
     """Minimum gap between two log lines about the same kind of bad input."""
+    metrics_port: int | None = None
+    """Serve /metrics, /healthz, /readyz, /state, /debug/waves here (None: off)."""
+    metrics_host: str = "127.0.0.1"
+    watchdog_stall_s: float = 30.0
+    """Hang watchdog threshold; 0 disables it."""
+    watchdog_rewake: bool = False
+    """Re-broadcast the wave start when the watchdog sees no progress."""
+    recorder_size: int = 1000
+    curve_secret_key: str | None = None
+    curve_clients_dir: str | None = None
+    insecure: bool = False
+    """Allow a non-loopback TCP bind without CURVE keys."""
 
     def validate(self) -> None:
         """Raise ValueError with a message an operator can act on."""
@@ -70,3 +83,15 @@ class ServerConfig:
             )
         if self.lease_ttl_s <= 0:
             raise ValueError("--lease-ttl-s must be positive")
+        if (self.curve_secret_key is None) != (self.curve_clients_dir is None):
+            raise ValueError(
+                "CURVE needs both --curve-secret-key and --curve-clients-dir (the allowed "
+                "client public keys)"
+            )
+        if self.recorder_size < 1:
+            raise ValueError(f"--recorder-size must be >= 1, got {self.recorder_size}")
+        if self.watchdog_stall_s < 0:
+            raise ValueError(f"--watchdog-stall-s must be >= 0, got {self.watchdog_stall_s}")
+        check_bind_safety(
+            self.host, has_keys=self.curve_secret_key is not None, insecure=self.insecure
+        )

@@ -56,10 +56,12 @@ async def serve_until_signal(server: CoordinatorServer) -> int:
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, request_stop, signal.Signals(signum).name)
+    # SIGUSR1 dumps the flight recorder to the log, for a look at a live process.
+    loop.add_signal_handler(signal.SIGUSR1, server.dump_recorder)
     try:
         await server.serve(stop)
     finally:
-        for signum in (signal.SIGTERM, signal.SIGINT):
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             loop.remove_signal_handler(signum)
     return EXIT_OK
 

@@ -48,6 +48,7 @@ def bind_socket(
     *,
     max_message_bytes: int,
     options: Iterable[tuple[int, int]] = (),
+    configure: Callable[[zmq.Socket[bytes]], None] | None = None,
 ) -> tuple[zmq.Socket[bytes], str]:
     """Create, configure and bind a socket; return it with its resolved endpoint."""
     sock = ctx.socket(kind)
@@ -57,6 +58,8 @@ def bind_socket(
         sock.setsockopt(zmq.IPV6, 1)
     for option, value in options:
         sock.setsockopt(option, value)
+    if configure is not None:
+        configure(sock)
     try:
         sock.bind(endpoint)
     except zmq.ZMQError:
