@@ -42,6 +42,7 @@ import os
 import shutil
 import tempfile
 import time
+import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -316,6 +317,9 @@ class FrontendClient:
         dealer = self._ctx.socket(zmq.DEALER)
         self._dealer = dealer
         dealer.setsockopt(zmq.LINGER, 0)
+        # A fixed identity survives reconnects (a restarted coordinator sees the same
+        # peer), so failure notices for requests sent earlier still find this client.
+        dealer.setsockopt(zmq.IDENTITY, b"fe" + uuid.uuid4().bytes[:8])
         if _is_ipv6_tcp(self.frontend_address):
             dealer.setsockopt(zmq.IPV6, 1)
         dealer.connect(self.frontend_address)
