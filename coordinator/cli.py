@@ -54,6 +54,14 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.add_argument("--ipc-dir", default=None, metavar="DIR",
                    help="fixed directory for the ipc sockets, so a restarted coordinator "
                    "binds the same addresses (default: a new private temp directory)")
+    p.add_argument("--port-base", type=int, default=None, metavar="P",
+                   help="with --host: bind the six sockets on ports P..P+5 (in the order "
+                   "of the table below) instead of free ports, so a restarted coordinator "
+                   "is found at the same addresses")
+    p.add_argument("--state-file", default=None, metavar="F",
+                   help="keep registrations, frontends, the gate and the wave in F, and "
+                   "resume from it on start: a restarted coordinator then serves the same "
+                   "engines (including stock vLLM ones, which never say HELLO again)")
     p.add_argument("--addr-file", default=None, metavar="F",
                    help="write the resolved addresses as JSON to F once all sockets are "
                    "bound (atomically); removed on exit")
@@ -169,6 +177,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         frontends=args.frontends,
         host=args.host,
         ipc_dir=args.ipc_dir,
+        port_base=args.port_base,
+        state_file=args.state_file,
         addr_file=args.addr_file,
         lockstep=not args.no_wave_coordination,
         publish_interval_s=args.publish_interval_ms / 1000.0,

@@ -472,6 +472,58 @@ class Membership:
 
     # -- range -----------------------------------------------------------------
 
+    def restore(
+        self,
+        rank: int,
+        *,
+        engine_id: str | None,
+        incarnation: int,
+        state: RankState,
+        local: bool,
+        headless: bool,
+        parallel_config_hash: str | None,
+        now: float,
+    ) -> Accepted | Refused:
+        """Re-create a lease saved by a previous coordinator process.
+
+        Only settled states come back (READY, CORDONED, DRAINING): a handshake in
+        progress cannot be resumed. The lease starts fresh (``last_seen = now``) and
+        counts as connected, since its engine's sockets reconnect on their own; the
+        server's probes and the TTL then confirm or bury it like any other lease.
+        """
+        out_of_range = self.check_rank(rank)
+        if out_of_range is not None:
+            return out_of_range
+        if state not in (RankState.READY, RankState.CORDONED, RankState.DRAINING):
+            return Refused(
+                RefusalReason.INVALID_TRANSITION,
+                f"cannot restore dp_rank={rank} as {state.value}: only ready, cordoned or "
+                f"draining registrations survive a coordinator restart",
+            )
+        if rank in self._leases:
+            return Refused(
+                RefusalReason.INVALID_TRANSITION,
+                f"cannot restore dp_rank={rank}: it is already registered",
+            )
+        incarnation = max(incarnation, self._last_incarnation.get(rank, 0))
+        self._last_incarnation[rank] = incarnation
+        lease = EngineLease(
+            rank=rank,
+            engine_id=engine_id,
+            state=state,
+            registered_at=now,
+            last_seen=now,
+            local=local,
+            headless=headless,
+            dispatch_connected=True,
+            parallel_config_hash=parallel_config_hash,
+            incarnation=incarnation,
+        )
+        self._leases[rank] = lease
+        if parallel_config_hash is not None and self._group_config_hash is None:
+            self._group_config_hash = parallel_config_hash
+        return Accepted(dataclasses.replace(lease))
+
     def resize(self, new_count: int) -> list[RankChanged]:
         """Change the number of ranks; leases above the new range are dropped."""
         if new_count < 0 or self._rank_start + new_count - 1 > MAX_RANK:

@@ -51,6 +51,13 @@ from coordinator.protocol.identity import identity_to_rank, rank_to_identity
 from coordinator.security import CurveServer
 from coordinator.server.config import ServerConfig
 from coordinator.server.http import HttpEndpoints, ObservedState, RankView
+from coordinator.server.statefile import (
+    SavedFrontend,
+    SavedLease,
+    SavedState,
+    load_state,
+    save_state,
+)
 from coordinator.server.transport import (
     FrameReader,
     RateLimitedLog,
@@ -140,6 +147,8 @@ class CoordinatorServer:
         self.http: HttpEndpoints | None = None
         self.curve: CurveServer | None = None
         self._recorder_json: tuple[int, list[dict[str, object]]] = (0, [])
+        self._state_dirty = False
+        self._serving = False
         self._last_http_update = 0.0
         self._row_width = 2 if config.vllm_compat == "legacy" else 3
 
@@ -173,8 +182,9 @@ class CoordinatorServer:
             ("frontend", zmq.ROUTER, [(zmq.ROUTER_MANDATORY, 1), (zmq.ROUTER_HANDOVER, 1)]),
         ]
         try:
-            for key, kind, options in specs:
-                endpoint = make_endpoint(key, host=cfg.host, ipc_dir=ipc_dir)
+            for index, (key, kind, options) in enumerate(specs):
+                port = cfg.port_base + index if cfg.port_base is not None else 0
+                endpoint = make_endpoint(key, host=cfg.host, ipc_dir=ipc_dir, port=port)
                 sock, resolved = bind_socket(
                     self._ctx, kind, endpoint, max_message_bytes=limit, options=options,
                     configure=configure if endpoint.startswith("tcp://") else None,
@@ -185,6 +195,8 @@ class CoordinatorServer:
             self.close()
             raise
         self._parallel_config = self._build_parallel_config()
+        if cfg.state_file is not None:
+            self._restore_state(cfg.state_file)
         if cfg.metrics_port is not None:
             self.http = HttpEndpoints(cfg.metrics_host, cfg.metrics_port, clock=self.clock)
             port = self.http.start()
@@ -230,6 +242,8 @@ class CoordinatorServer:
         return payload
 
     def close(self) -> None:
+        if self.config.state_file is not None and self._serving:
+            self.save_state()  # only a process that served may speak for the group
         if self.http is not None:
             self.http.stop()
             self.http = None
@@ -260,6 +274,7 @@ class CoordinatorServer:
 
     async def serve(self, stop: asyncio.Event) -> None:
         """Run until `stop` is set. Call `bind()` first."""
+        self._serving = True
         handlers: dict[str, Callable[[list[bytes]], None]] = {
             "handshake": self.on_handshake,
             "dispatch": self.on_dispatch,
@@ -279,6 +294,8 @@ class CoordinatorServer:
         tasks.append(asyncio.ensure_future(self._publish_loop()))
         tasks.append(asyncio.ensure_future(self._lease_loop()))
         tasks.append(asyncio.ensure_future(self._observe_loop()))
+        if self.config.state_file is not None:
+            tasks.append(asyncio.ensure_future(self._state_loop()))
         stopper = asyncio.ensure_future(stop.wait())
         try:
             done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
@@ -403,6 +420,7 @@ class CoordinatorServer:
         self.counters[f"handshake.{step}.accepted"] += 1
         self._record(KIND_MEMBERSHIP, f"{step} accepted", rank=lease.rank,
                      engine_id=lease.engine_id, incarnation=lease.incarnation)
+        self._state_dirty = True
         if result.replaced is not None:
             self.counters["handshake.replaced"] += 1
             log.warning("dp_rank=%d: engine %s replaces %s (previous registration %s)",
@@ -553,6 +571,7 @@ class CoordinatorServer:
             for listener in self._wave_listeners:
                 listener(action)
         if actions:
+            self._state_dirty = True
             self._push_observed(now)
 
     def _rank_range(self) -> range:
@@ -579,6 +598,7 @@ class CoordinatorServer:
                 log.info("engine subscription on back_publish after start-up; sent READY")
             elif self.gate_subscriptions >= self.config.engines:
                 self.gate_open = True
+                self._state_dirty = True
                 self._send_pub("back_publish", [vllm.READY])
                 self.schedule.start(self.clock())
                 self._stats_dirty.set()
@@ -714,6 +734,7 @@ class CoordinatorServer:
         self.frontends[msg.client_index] = FrontendPeer(
             identity, msg.client_index, msg.output_address, msg.input_address
         )
+        self._state_dirty = True
         if previous is not None and previous.identity != identity:
             moved = self._move_requests(previous.identity, identity)
             log.warning("frontend client_index=%d re-registered from a new connection; "
@@ -840,6 +861,7 @@ class CoordinatorServer:
     # ---- membership changes and leases --------------------------------------
 
     def _on_rank_changed(self, change: RankChanged) -> None:
+        self._state_dirty = True
         self._record(KIND_MEMBERSHIP, change.cause, rank=change.rank,
                      old=change.old.value if change.old else None,
                      new=change.new.value if change.new else None)
@@ -895,6 +917,81 @@ class CoordinatorServer:
                     self._on_rank_changed(change)
         for change in self.membership.expire(now):
             self._on_rank_changed(change)
+
+    # ---- state file (coordinator restarts) ----------------------------------
+
+    async def _state_loop(self) -> None:
+        while True:
+            await asyncio.sleep(0.2)
+            if self._state_dirty:
+                self.save_state()
+
+    def save_state(self) -> None:
+        path = self.config.state_file
+        if path is None:
+            return
+        self._state_dirty = False
+        leases = [
+            SavedLease(lease.rank, lease.engine_id, lease.incarnation, lease.state.value,
+                       lease.local, lease.headless, lease.parallel_config_hash)
+            for lease in self.membership.leases()
+            if lease.state in (RankState.READY, RankState.CORDONED, RankState.DRAINING)
+        ]
+        frontends = [
+            SavedFrontend(f.client_index, f.identity.hex(), f.output_address, f.input_address)
+            for f in self.frontends.values()
+        ]
+        state = SavedState(
+            version=1, wave=self.waves.current_wave, gate_open=self.gate_open,
+            inits_sent=self._inits_sent, leases=leases, frontends=frontends,
+            addresses=dict(self.addresses),
+        )
+        try:
+            save_state(path, state)
+        except OSError as exc:
+            self.counters["state_file.write_errors"] += 1
+            self._ratelog.log(logging.ERROR, "state-write", "could not write the state file "
+                              "%s: %s", path, exc)
+
+    def _restore_state(self, path: str) -> None:
+        """Resume from a previous process's state file (raises StateFileError if bad)."""
+        saved = load_state(path)
+        if saved is None:
+            log.info("no state file at %s yet; starting empty", path)
+            return
+        now = self.clock()
+        moved = {k: v for k, v in saved.addresses.items() if self.addresses.get(k) != v}
+        if moved:
+            log.warning("the state file was written by a coordinator bound elsewhere (%s); "
+                        "engines and frontends connected there will not find this one. "
+                        "Use --ipc-dir, or --host with --port-base, for stable addresses",
+                        ", ".join(sorted(moved)))
+        self.waves = WaveState(lockstep=self.config.lockstep, wave=saved.wave)
+        for item in saved.leases:
+            result = self.membership.restore(
+                item.rank, engine_id=item.engine_id, incarnation=item.incarnation,
+                state=RankState(item.state), local=item.local, headless=item.headless,
+                parallel_config_hash=item.parallel_config_hash, now=now,
+            )
+            if isinstance(result, Refused):
+                log.warning("state file: %s", result.message)
+        for fe in saved.frontends:
+            self.frontends[fe.client_index] = FrontendPeer(
+                bytes.fromhex(fe.identity_hex), fe.client_index, fe.output_address,
+                fe.input_address,
+            )
+        self._inits_sent = saved.inits_sent
+        if saved.gate_open:
+            # Engines already passed the start-up gate; their reconnecting subscriptions
+            # only get READY again, which they ignore.
+            self.gate_open = True
+            self.gate_subscriptions = self.config.engines
+            self.schedule.start(now)
+        self._record(KIND_MEMBERSHIP, "restored from state file", path=path,
+                     leases=len(saved.leases), frontends=len(saved.frontends))
+        log.info("restored from %s: wave %d, %d registrations, %d frontends, gate %s",
+                 path, saved.wave, len(saved.leases), len(saved.frontends),
+                 "open" if saved.gate_open else "closed")
 
     # ---- watchdog and observability -----------------------------------------
 

@@ -20,6 +20,11 @@ class ServerConfig:
     """Bind tcp://host:0 for every socket; None binds ipc in a private directory."""
     ipc_dir: str | None = None
     """Fixed directory for the ipc sockets (so a restart binds the same paths)."""
+    port_base: int | None = None
+    """With a host: bind the six sockets on ports port_base..port_base+5 instead of
+    free ones, so a restarted coordinator is found at the same addresses."""
+    state_file: str | None = None
+    """Where to keep what a restarted coordinator cannot learn again from its peers."""
     addr_file: str | None = None
     lockstep: bool = True
     """Wave coordination (MoE). False is dense mode: stats and balancing only."""
@@ -68,6 +73,11 @@ class ServerConfig:
                 f"ranks {self.rank_start}..{self.rank_start + self.engines - 1} do not fit in "
                 "a two-byte engine identity (0..65535)"
             )
+        if self.port_base is not None:
+            if self.host is None:
+                raise ValueError("--port-base needs --host (ipc sockets have no ports)")
+            if not 1 <= self.port_base <= 65535 - 5:
+                raise ValueError(f"--port-base must be between 1 and 65530, got {self.port_base}")
         if self.frontends < 0:
             raise ValueError(f"--frontends must be >= 0, got {self.frontends}")
         if self.publish_interval_s <= 0 or self.heartbeat_s < self.publish_interval_s:

@@ -14,6 +14,7 @@ import zmq
 
 from coordinator.server.app import CoordinatorServer
 from coordinator.server.config import ServerConfig
+from coordinator.server.statefile import StateFileError
 
 log = logging.getLogger("coordinator.server")
 
@@ -77,7 +78,12 @@ def run_server(config: ServerConfig, *, print_addresses: bool = True) -> int:
         addresses = server.bind()
     except (zmq.ZMQError, OSError) as exc:
         log.error("could not bind the coordinator sockets: %s", exc)
+        server.close()
         return EXIT_FATAL
+    except StateFileError as exc:
+        log.error("%s", exc)
+        server.close()
+        return EXIT_CONFIG
     log.info(
         "coordinator up: %d engines (ranks %d..%d), %s mode, frontends expected: %d",
         config.engines,

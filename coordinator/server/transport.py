@@ -28,13 +28,13 @@ DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 FrameHandler = Callable[[list[bytes]], None]
 
 
-def make_endpoint(key: str, *, host: str | None, ipc_dir: str) -> str:
-    """Where to bind socket `key`: ipc in `ipc_dir` by default, tcp port 0 with a host."""
+def make_endpoint(key: str, *, host: str | None, ipc_dir: str, port: int = 0) -> str:
+    """Where to bind socket `key`: ipc in `ipc_dir` by default, tcp `port` with a host."""
     if host is None:
         return f"ipc://{os.path.join(ipc_dir, key)}"
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
-    return f"tcp://{host}:0"
+    return f"tcp://{host}:{port}"
 
 
 def new_ipc_dir() -> str:

@@ -781,3 +781,69 @@ def test_handshaking_lease_expires_after_the_handshake_ttl() -> None:
 def test_handshake_ttl_must_be_positive_and_finite(bad: float) -> None:
     with pytest.raises(ValueError, match="handshake_ttl_s"):
         Membership(rank_start=0, rank_count=1, lease_ttl_s=1.0, handshake_ttl_s=bad)
+
+
+# -- restore after a coordinator restart -------------------------------------------
+
+
+def _restore(m: Membership, rank: int, state: RankState, **kw: Any) -> Accepted | Refused:
+    args: dict[str, Any] = dict(engine_id="e", incarnation=3, state=state, local=True,
+                                headless=False, parallel_config_hash="h", now=100.0)
+    args.update(kw)
+    return m.restore(rank, **args)
+
+
+@pytest.mark.parametrize("state", [RankState.READY, RankState.CORDONED, RankState.DRAINING])
+def test_restore_brings_back_settled_leases_as_connected(state: RankState) -> None:
+    m = Membership(rank_start=0, rank_count=2, lease_ttl_s=10.0)
+    result = _restore(m, 1, state)
+    assert isinstance(result, Accepted)
+    lease = m.lease(1)
+    assert lease is not None
+    assert (lease.state, lease.engine_id, lease.incarnation, lease.dispatch_connected) == (
+        state, "e", 3, True)
+    assert lease.last_seen == 100.0
+    assert m.group_config_hash == "h"
+    assert m.dispatchable(now=100.0) == ([1] if state is RankState.READY else [])
+
+
+def test_restored_lease_expires_like_any_other() -> None:
+    m = Membership(rank_start=0, rank_count=1, lease_ttl_s=10.0)
+    _restore(m, 0, RankState.READY)
+    assert [c.new for c in m.expire(111.0)] == [RankState.DEAD]
+
+
+def test_restored_lease_blocks_a_different_engine_and_counts_incarnations_on() -> None:
+    m = Membership(rank_start=0, rank_count=1, lease_ttl_s=10.0)
+    _restore(m, 0, RankState.READY, incarnation=7)
+    refused = m.hello(0, engine_id="other", local=True, headless=False, now=101.0)
+    assert isinstance(refused, Refused)
+    assert refused.reason is RefusalReason.ENGINE_ID_MISMATCH
+    m.disconnected(0, 102.0)
+    taken = m.hello(0, engine_id="other", local=True, headless=False, now=103.0)
+    assert isinstance(taken, Accepted)
+    assert taken.lease.incarnation == 8
+
+
+@pytest.mark.parametrize(
+    ("rank", "state", "match"),
+    [
+        (5, RankState.READY, "outside"),
+        (0, RankState.HANDSHAKING, "only ready, cordoned or draining"),
+        (0, RankState.DEAD, "only ready, cordoned or draining"),
+    ],
+)
+def test_restore_refuses_what_cannot_come_back(rank: int, state: RankState, match: str) -> None:
+    m = Membership(rank_start=0, rank_count=1, lease_ttl_s=10.0)
+    refused = _restore(m, rank, state)
+    assert isinstance(refused, Refused)
+    assert match in refused.message
+    assert m.leases() == []
+
+
+def test_restore_refuses_a_rank_that_is_already_registered() -> None:
+    m = Membership(rank_start=0, rank_count=1, lease_ttl_s=10.0)
+    m.hello(0, engine_id="a", local=True, headless=False, now=0.0)
+    refused = _restore(m, 0, RankState.READY)
+    assert isinstance(refused, Refused)
+    assert "already registered" in refused.message
