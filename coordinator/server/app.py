@@ -243,7 +243,7 @@ class CoordinatorServer:
 
     def close(self) -> None:
         if self.config.state_file is not None and self._serving:
-            self.save_state()  # only a process that served may speak for the group
+            self.save_state(durable=True)  # only a process that served may speak for it
         if self.http is not None:
             self.http.stop()
             self.http = None
@@ -275,6 +275,8 @@ class CoordinatorServer:
     async def serve(self, stop: asyncio.Event) -> None:
         """Run until `stop` is set. Call `bind()` first."""
         self._serving = True
+        if self._state_dirty:
+            self.save_state()
         handlers: dict[str, Callable[[list[bytes]], None]] = {
             "handshake": self.on_handshake,
             "dispatch": self.on_dispatch,
@@ -420,7 +422,7 @@ class CoordinatorServer:
         self.counters[f"handshake.{step}.accepted"] += 1
         self._record(KIND_MEMBERSHIP, f"{step} accepted", rank=lease.rank,
                      engine_id=lease.engine_id, incarnation=lease.incarnation)
-        self._state_dirty = True
+        self._state_changed()
         if result.replaced is not None:
             self.counters["handshake.replaced"] += 1
             log.warning("dp_rank=%d: engine %s replaces %s (previous registration %s)",
@@ -571,7 +573,7 @@ class CoordinatorServer:
             for listener in self._wave_listeners:
                 listener(action)
         if actions:
-            self._state_dirty = True
+            self._state_changed()
             self._push_observed(now)
 
     def _rank_range(self) -> range:
@@ -598,7 +600,7 @@ class CoordinatorServer:
                 log.info("engine subscription on back_publish after start-up; sent READY")
             elif self.gate_subscriptions >= self.config.engines:
                 self.gate_open = True
-                self._state_dirty = True
+                self._state_changed()
                 self._send_pub("back_publish", [vllm.READY])
                 self.schedule.start(self.clock())
                 self._stats_dirty.set()
@@ -734,7 +736,7 @@ class CoordinatorServer:
         self.frontends[msg.client_index] = FrontendPeer(
             identity, msg.client_index, msg.output_address, msg.input_address
         )
-        self._state_dirty = True
+        self._state_changed()
         if previous is not None and previous.identity != identity:
             moved = self._move_requests(previous.identity, identity)
             log.warning("frontend client_index=%d re-registered from a new connection; "
@@ -861,7 +863,7 @@ class CoordinatorServer:
     # ---- membership changes and leases --------------------------------------
 
     def _on_rank_changed(self, change: RankChanged) -> None:
-        self._state_dirty = True
+        self._state_changed()
         self._record(KIND_MEMBERSHIP, change.cause, rank=change.rank,
                      old=change.old.value if change.old else None,
                      new=change.new.value if change.new else None)
@@ -920,13 +922,24 @@ class CoordinatorServer:
 
     # ---- state file (coordinator restarts) ----------------------------------
 
+    def _state_changed(self) -> None:
+        """Registrations, frontends, the gate or the wave changed: write them now.
+
+        These change a few times per wave at most, and a write is one small atomic
+        file replace, so the file never lags what a restart needs to resume.
+        """
+        self._state_dirty = True
+        if self._serving:
+            self.save_state()
+
     async def _state_loop(self) -> None:
+        # Retries writes that failed (disk full, permissions fixed meanwhile).
         while True:
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(1.0)
             if self._state_dirty:
                 self.save_state()
 
-    def save_state(self) -> None:
+    def save_state(self, *, durable: bool = False) -> None:
         path = self.config.state_file
         if path is None:
             return
@@ -947,8 +960,9 @@ class CoordinatorServer:
             addresses=dict(self.addresses),
         )
         try:
-            save_state(path, state)
+            save_state(path, state, durable=durable)
         except OSError as exc:
+            self._state_dirty = True
             self.counters["state_file.write_errors"] += 1
             self._ratelog.log(logging.ERROR, "state-write", "could not write the state file "
                               "%s: %s", path, exc)

@@ -58,15 +58,20 @@ _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(SavedState)
 
 
-def save_state(path: str, state: SavedState) -> None:
-    """Write atomically: a crash mid-write leaves the previous file intact."""
+def save_state(path: str, state: SavedState, *, durable: bool = False) -> None:
+    """Write atomically: a crash mid-write leaves the previous file intact.
+
+    `durable` adds an fsync, for shutdown: without it the file survives the
+    process being killed (the page cache outlives it) but not the machine dying.
+    """
     directory = os.path.dirname(os.path.abspath(path)) or "."
     fd, tmp = tempfile.mkstemp(prefix=".state-", dir=directory)
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(_encoder.encode(state))
-            handle.flush()
-            os.fsync(handle.fileno())
+            if durable:
+                handle.flush()
+                os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
