@@ -28,6 +28,15 @@ Startup, in the order a vLLM engine does it:
 PUSH sockets connect to `coordinator_output` (stats and wave messages) and to
 every `outputs` entry (per-frontend outputs, by client index).
 
+CURVE: with `curve_secret_key` (this engine's `NAME.key_secret`) and
+`curve_server_key` (the coordinator's `NAME.key`), every socket that connects
+to the coordinator over TCP is a CURVE client: the handshake DEALER, the input
+DEALER for the coordinator's dispatch socket (the first `inputs` entry: the
+coordinator lists it first in INIT), the XSUB on `coordinator_input` and the
+PUSH on `coordinator_output`. Sockets to frontends stay plain, since the
+frontends own them, and so do ipc connections, which the coordinator never
+encrypts (ipc is guarded by file permissions).
+
 After startup, requests arrive on every input DEALER and, for START_DP_WAVE, on
 the XSUB. They are decoded into small records (`StartDpWave`, `AddRequest`,
 `AbortRequests`, `UtilityCall`) and queued; `recv_request()` takes the next one
@@ -86,12 +95,14 @@ from coordinator.protocol.vllm import (
     encode_handshake,
     encode_ready_response,
 )
+from coordinator.security import configure_client_socket, load_public_key, load_secret_key
 
 __all__ = [
     "FROM_COORDINATOR",
     "PROTOCOL_VERSION",
     "AbortRequests",
     "AddRequest",
+    "CurveClientKeys",
     "EngineAgent",
     "EngineRefused",
     "EngineStartupError",
@@ -255,6 +266,39 @@ def _is_ipv6_tcp(address: str) -> bool:
     return address.startswith("tcp://[")
 
 
+@dataclass(frozen=True)
+class CurveClientKeys:
+    """Key files that make a socket a CURVE client of the coordinator."""
+
+    secret_key_file: str
+    """This client's `NAME.key_secret`."""
+    server_key_file: str
+    """The coordinator's public `NAME.key`."""
+
+    @classmethod
+    def from_options(
+        cls, secret_key_file: str | None, server_key_file: str | None
+    ) -> CurveClientKeys | None:
+        """Both files or neither; each is read once here, so a bad file fails at once."""
+        if secret_key_file is None and server_key_file is None:
+            return None
+        if secret_key_file is None or server_key_file is None:
+            raise ValueError(
+                "CURVE needs both curve_secret_key (this client's NAME.key_secret) and "
+                "curve_server_key (the coordinator's public NAME.key)"
+            )
+        load_secret_key(secret_key_file)
+        load_public_key(server_key_file)
+        return cls(secret_key_file, server_key_file)
+
+    def apply(self, sock: zmq.Socket[Any], address: str) -> None:
+        """Make `sock` a CURVE client if it is about to connect over TCP."""
+        # The coordinator turns CURVE on for its tcp sockets only; a CURVE client
+        # on ipc would fail its ZMTP handshake with a plain server, silently.
+        if address.startswith("tcp://"):
+            configure_client_socket(sock, self.secret_key_file, self.server_key_file)
+
+
 def _connect(
     ctx: zmq.asyncio.Context,
     socket_type: int,
@@ -262,9 +306,12 @@ def _connect(
     *,
     identity: bytes | None = None,
     linger_ms: int | None = None,
+    curve: CurveClientKeys | None = None,
 ) -> zmq.asyncio.Socket:
     """A connected socket with vLLM's options for its type (unbounded queues)."""
     sock = ctx.socket(socket_type)
+    if curve is not None:
+        curve.apply(sock, address)
     if socket_type in (zmq.PULL, zmq.DEALER, zmq.ROUTER):
         sock.setsockopt(zmq.RCVHWM, 0)
     if socket_type in (zmq.PUSH, zmq.DEALER, zmq.ROUTER):
@@ -325,6 +372,10 @@ class EngineAgent:
         ready_timeout_s: wait for the coordinator's `READY` on its publish socket.
         accept_timeout_s: wait for the reply to READY (not in `vllm_shaped` mode).
         context: a zmq.asyncio.Context to use; by default the agent owns one.
+        curve_secret_key: path of this engine's secret key file (`NAME.key_secret`
+            from `dp-coordinator keygen`); with `curve_server_key`, sockets to the
+            coordinator over TCP use CURVE. Give both or neither.
+        curve_server_key: path of the coordinator's public key file (`NAME.key`).
     """
 
     def __init__(
@@ -343,8 +394,11 @@ class EngineAgent:
         ready_timeout_s: float = 120.0,
         accept_timeout_s: float = 30.0,
         context: zmq.asyncio.Context | None = None,
+        curve_secret_key: str | None = None,
+        curve_server_key: str | None = None,
     ) -> None:
         self.handshake_address = handshake_address
+        self.curve = CurveClientKeys.from_options(curve_secret_key, curve_server_key)
         self.rank = rank
         self.identity = rank_to_identity(rank)
         self.local = local
@@ -427,6 +481,7 @@ class EngineAgent:
             self.handshake_address,
             identity=self.identity,
             linger_ms=_HANDSHAKE_LINGER_MS if self.vllm_shaped else 0,
+            curve=self.curve,
         )
         hello = HandshakeMessage(
             status="HELLO",
@@ -448,21 +503,37 @@ class EngineAgent:
         # Outputs first, so nothing sent right after startup can find them missing.
         if addresses.coordinator_output is not None:
             self._coord_push = _connect(
-                ctx, zmq.PUSH, addresses.coordinator_output, linger_ms=_PUSH_LINGER_MS
+                ctx,
+                zmq.PUSH,
+                addresses.coordinator_output,
+                linger_ms=_PUSH_LINGER_MS,
+                curve=self.curve,
             )
         self._output_pushes = [
             _connect(ctx, zmq.PUSH, address, linger_ms=_PUSH_LINGER_MS)
             for address in addresses.outputs
         ]
 
+        # The coordinator's dispatch socket comes first in INIT's inputs; the
+        # others are frontends' own sockets.
         self._inputs = [
-            _connect(ctx, zmq.DEALER, address, identity=self.identity)
-            for address in addresses.inputs
+            _connect(
+                ctx,
+                zmq.DEALER,
+                address,
+                identity=self.identity,
+                curve=self.curve if index == 0 else None,
+            )
+            for index, address in enumerate(addresses.inputs)
         ]
         if addresses.coordinator_input is not None:
             # vLLM sets the identity on this XSUB too; it has no effect there.
             self._coord_sub = _connect(
-                ctx, zmq.XSUB, addresses.coordinator_input, identity=self.identity
+                ctx,
+                zmq.XSUB,
+                addresses.coordinator_input,
+                identity=self.identity,
+                curve=self.curve,
             )
             await self._coord_sub.send(SUBSCRIBE)
 

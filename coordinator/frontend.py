@@ -23,6 +23,11 @@ Sockets, all owned by one client:
   `counts`. Like a vLLM frontend it drains every pending publish and keeps only
   the newest, so a slow reader never acts on old state.
 
+With `curve_secret_key` and `curve_server_key` the DEALER and the XSUB are CURVE
+clients of the coordinator when they connect over TCP (the coordinator encrypts
+its tcp sockets only). The output PULL is this client's own socket and stays
+plain: engines connect to it without keys.
+
 Engine outputs arriving on the PULL are scanned for finished requests (vLLM's
 `finished_requests` set, and outputs whose `finish_reason` is set). Their ids are
 reported to the user and, in batches, to the coordinator with `Finished`, which
@@ -52,6 +57,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from coordinator.engine import CurveClientKeys
 from coordinator.protocol import frontend as fp
 from coordinator.protocol import vllm
 from coordinator.protocol.errors import ProtocolError
@@ -190,6 +196,10 @@ class FrontendClient:
             for `notices()`.
         on_publish: called after each publish was applied, with the client.
         context: a zmq.asyncio.Context to share; by default the client owns one.
+        curve_secret_key: path of this frontend's secret key file (`NAME.key_secret`
+            from `dp-coordinator keygen`); with `curve_server_key`, the sockets to the
+            coordinator use CURVE over TCP. Give both or neither.
+        curve_server_key: path of the coordinator's public key file (`NAME.key`).
     """
 
     def __init__(
@@ -206,10 +216,13 @@ class FrontendClient:
         on_publish: Callable[[FrontendClient], None] | None = None,
         max_queued: int = 1 << 20,
         context: zmq.asyncio.Context | None = None,
+        curve_secret_key: str | None = None,
+        curve_server_key: str | None = None,
     ) -> None:
         missing = [key for key in ("frontend", "front_publish") if key not in addresses]
         if missing:
             raise ValueError(f"coordinator addresses lack {', '.join(missing)}")
+        self.curve = CurveClientKeys.from_options(curve_secret_key, curve_server_key)
         self.frontend_address = addresses["frontend"]
         self.publish_address = addresses["front_publish"]
         self.client_index = client_index
@@ -322,6 +335,8 @@ class FrontendClient:
         dealer.setsockopt(zmq.IDENTITY, b"fe" + uuid.uuid4().bytes[:8])
         if _is_ipv6_tcp(self.frontend_address):
             dealer.setsockopt(zmq.IPV6, 1)
+        if self.curve is not None:
+            self.curve.apply(dealer, self.frontend_address)
         dealer.connect(self.frontend_address)
 
         sub = self._ctx.socket(zmq.XSUB)
@@ -329,6 +344,8 @@ class FrontendClient:
         sub.setsockopt(zmq.LINGER, 0)
         if _is_ipv6_tcp(self.publish_address):
             sub.setsockopt(zmq.IPV6, 1)
+        if self.curve is not None:
+            self.curve.apply(sub, self.publish_address)
         sub.connect(self.publish_address)
 
     async def close(self, timeout: float = 1.0) -> None:
