@@ -71,6 +71,7 @@ import zmq.asyncio
 from coordinator.engine import (
     AbortRequests,
     AddRequest,
+    CurveClientKeys,
     EngineAgent,
     EngineRefused,
     EngineStartupError,
@@ -463,6 +464,9 @@ class SimConfig:
     accept_timeout_s: float = 30.0
     local: bool = False
     headless: bool = True
+    #: CURVE key files (this engine's NAME.key_secret, the coordinator's NAME.key).
+    curve_secret_key: str | None = None
+    curve_server_key: str | None = None
 
     def config_hash(self) -> str:
         if self.parallel_config_hash is not None:
@@ -536,6 +540,8 @@ class SimEngine:
             ready_timeout_s=cfg.ready_timeout_s,
             accept_timeout_s=cfg.accept_timeout_s,
             context=context,
+            curve_secret_key=cfg.curve_secret_key,
+            curve_server_key=cfg.curve_server_key,
         )
         self._collective_address = collective_address
         self._collective: CollectiveClient | None = None
@@ -1052,6 +1058,16 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
         metavar="RANK",
         help="fault injection: this rank drops START_DP_WAVE (repeatable)",
     )
+    p.add_argument(
+        "--curve-secret-key",
+        metavar="FILE",
+        help="this engine's secret key file (NAME.key_secret): CURVE to a coordinator on tcp",
+    )
+    p.add_argument(
+        "--curve-server-key",
+        metavar="FILE",
+        help="the coordinator's public key file (NAME.key); needs --curve-secret-key",
+    )
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--loop", choices=["auto", "asyncio", "uvloop"], default="auto")
 
@@ -1125,6 +1141,8 @@ def _config_from_args(args: argparse.Namespace) -> SimConfig:
         parallel_config_hash=args.config_hash,
         heartbeat_interval_s=args.heartbeat if args.heartbeat > 0 else None,
         ready_timeout_s=args.ready_timeout,
+        curve_secret_key=args.curve_secret_key,
+        curve_server_key=args.curve_server_key,
     )
 
 
@@ -1264,6 +1282,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "engine" and not args.dense and not args.collective:
         parser.error("engine: --collective is required for a lockstep engine (or use --dense)")
+    if args.command in ("group", "engine"):
+        try:
+            CurveClientKeys.from_options(args.curve_secret_key, args.curve_server_key)
+        except ValueError as exc:
+            parser.error(str(exc))
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
         format=f"%(asctime)s %(levelname)s [sim {os.getpid()}] %(name)s: %(message)s",
