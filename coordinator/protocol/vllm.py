@@ -132,6 +132,8 @@ MAX_WAVE = (1 << 32) - 1
 # --- bounded value types ---------------------------------------------------
 
 Wave = Annotated[int, Meta(ge=0, le=MAX_WAVE)]
+# A completed wave is followed by the next one, which must still fit in u32.
+CompletedWave = Annotated[int, Meta(ge=0, le=MAX_WAVE - 1)]
 EngineIndex = Annotated[int, Meta(ge=0, le=MAX_RANK)]
 Count = Annotated[int, Meta(ge=0)]
 # NaN fails both bounds, and +/-inf fails one of them, so this is also "finite".
@@ -200,7 +202,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True):
     timestamp: float = 0.0
     utility_output: Any = None
     finished_requests: list[str] | None = None
-    wave_complete: Wave | None = None
+    wave_complete: CompletedWave | None = None
     start_wave: Wave | None = None
     weight_version: str | None = None
 
@@ -231,7 +233,7 @@ class EngineReport(msgspec.Struct, array_like=True, gc=False):
     timestamp: Any = None
     utility_output: Any = None
     finished_requests: Any = None
-    wave_complete: Wave | None = None
+    wave_complete: CompletedWave | None = None
     start_wave: Wave | None = None
 
 

@@ -149,6 +149,7 @@ class CoordinatorServer:
         self._recorder_json: tuple[int, list[dict[str, object]]] = (0, [])
         self._state_dirty = False
         self._serving = False
+        self._held_wake: list[bytes] | None = None
         self._last_http_update = 0.0
         self._row_width = 2 if config.vllm_compat == "legacy" else 3
 
@@ -173,7 +174,10 @@ class CoordinatorServer:
             self.curve.start()
             configure = self.curve.configure_socket
         specs: list[tuple[str, int, list[tuple[int, int]]]] = [
-            ("handshake", zmq.ROUTER, [(zmq.ROUTER_MANDATORY, 1), (zmq.ROUTER_HANDOVER, 1)]),
+            # No ROUTER_HANDOVER here: it would cut off an engine mid-handshake whenever a
+            # second process claims its rank, losing the first one's READY. The second is
+            # then refused by libzmq itself, silently (see docs/vllm.md).
+            ("handshake", zmq.ROUTER, [(zmq.ROUTER_MANDATORY, 1)]),
             ("dispatch", zmq.ROUTER, [(zmq.ROUTER_MANDATORY, 1), (zmq.ROUTER_HANDOVER, 1),
                                       (zmq.SNDHWM, 0), *self._heartbeat_options()]),
             ("back_output", zmq.PULL, [(zmq.RCVHWM, 0)]),
@@ -216,8 +220,8 @@ class CoordinatorServer:
 
         By default rank 0 is assumed to run on the coordinator's host, as with vLLM's
         rank-0 launcher: free ports are found there. With --master-ip the meeting
-        point is elsewhere, so its port must be given; the spare-port list then stays
-        empty and engines count up from the master port.
+        point is elsewhere, so its port must be given, and the spare ports are the
+        five above it (the same list for every rank).
         """
         cfg = self.config
         if not cfg.lockstep:
@@ -225,7 +229,9 @@ class CoordinatorServer:
         if cfg.master_ip is not None:
             host = cfg.master_ip
             master_port = cfg.master_port if cfg.master_port is not None else 0
-            ports = list(cfg.master_port_list)
+            # Every rank must get the same spare ports; left empty, a rank could pick
+            # its own local ones.
+            ports = list(cfg.master_port_list) or [master_port + i for i in range(1, 6)]
         else:
             host = cfg.host if cfg.host not in (None, "0.0.0.0", "::") else "127.0.0.1"
             found = free_tcp_ports(host, 6)
@@ -552,7 +558,13 @@ class CoordinatorServer:
         for action in actions:
             if isinstance(action, BroadcastStartWave):
                 frames = vllm.encode_start_dp_wave(action.wave, action.exclude)
-                self._send_pub("back_publish", frames)
+                if self.gate_open:
+                    self._send_pub("back_publish", frames)
+                else:
+                    # An engine's first frame on back_publish must be READY (vLLM asserts
+                    # it); the latest wake goes out right after READY instead.
+                    self._held_wake = frames
+                    self.counters["waves.start_held_for_gate"] += 1
                 self.counters["waves.start_broadcasts"] += 1
                 if coordinator_wake:
                     self.timeline.wake_sent(action.wave, now)
@@ -602,6 +614,9 @@ class CoordinatorServer:
                 self.gate_open = True
                 self._state_changed()
                 self._send_pub("back_publish", [vllm.READY])
+                if self._held_wake is not None:
+                    self._send_pub("back_publish", self._held_wake)
+                    self._held_wake = None
                 self.schedule.start(self.clock())
                 self._stats_dirty.set()
                 log.info("all %d engines subscribed; READY sent", self.config.engines)
@@ -789,15 +804,21 @@ class CoordinatorServer:
                 refuse(fp.ERR_RANK_NOT_READY, f"dp_rank={msg.dp_rank} cannot take requests "
                        f"({state})")
                 return
-            chosen: int | None = msg.dp_rank
+            if not self._send_router("dispatch", rank_to_identity(msg.dp_rank), vllm.ADD,
+                                     *payload):
+                refuse(fp.ERR_ENGINE_UNREACHABLE,
+                       f"dp_rank={msg.dp_rank} is not connected on dispatch")
+                return
+            chosen = msg.dp_rank
         else:
-            chosen = self.policy.pick(self.loads, self.membership.dispatchable(now=self.clock()))
-        if chosen is None:
-            refuse(fp.ERR_NO_READY_ENGINE, "no engine is ready to take requests")
-            return
-        if not self._send_router("dispatch", rank_to_identity(chosen), vllm.ADD, *payload):
-            refuse(fp.ERR_ENGINE_UNREACHABLE, f"dp_rank={chosen} is not connected on dispatch")
-            return
+            picked = self._dispatch_to_best(payload)
+            if picked is None:
+                refuse(fp.ERR_NO_READY_ENGINE, "no engine is ready to take requests")
+                return
+            if isinstance(picked, str):
+                refuse(fp.ERR_ENGINE_UNREACHABLE, picked)
+                return
+            chosen = picked
         actions = self.waves.on_first_request(chosen, msg.wave, now=self.clock())
         self._apply_wave_actions(actions, cause=f"first request {msg.request_id!r}", rank=chosen,
                                  coordinator_wake=True)
@@ -807,6 +828,25 @@ class CoordinatorServer:
         self.in_flight_by_rank[chosen] += 1
         self.counters["submit.dispatched"] += 1
         self._reply(identity, fp.Submitted(msg.call_id, msg.request_id, chosen, bool(actions)))
+
+    def _dispatch_to_best(self, payload: list[bytes]) -> int | str | None:
+        """Send ADD to the rank the policy picks; if its connection is not there (an
+        engine reconnecting after a restart, or one that just died), pick again among
+        the others. Returns the rank, None if none is ready, or why all sends failed."""
+        candidates = self.membership.dispatchable(now=self.clock())
+        tried: list[int] = []
+        while candidates:
+            chosen = self.policy.pick(self.loads, candidates)
+            if chosen is None:
+                break
+            if self._send_router("dispatch", rank_to_identity(chosen), vllm.ADD, *payload,
+                                 quiet=True):
+                return chosen
+            tried.append(chosen)
+            candidates = [rank for rank in candidates if rank != chosen]
+        if tried:
+            return f"no ready engine is connected on dispatch (tried dp_rank {tried})"
+        return None
 
     def _forget(self, request_id: str) -> InFlight | None:
         entry = self.in_flight.pop(request_id, None)
@@ -893,7 +933,14 @@ class CoordinatorServer:
         interval = max(0.05, min(1.0, self.config.lease_ttl_s / 4))
         while True:
             await asyncio.sleep(interval)
-            self.check_leases(self.clock())
+            self._guarded("lease timer", self.check_leases, self.clock())
+
+    def _guarded(self, what: str, step: Callable[[float], None], now: float) -> None:
+        """Run one timer step; a bug in it is logged and counted, the timer goes on."""
+        try:
+            step(now)
+        except Exception as exc:
+            self._handler_failed(what.replace(" ", "_"), exc)
 
     def check_leases(self, now: float) -> None:
         """Probe quiet engines, then expire the leases nobody renewed.
@@ -1012,7 +1059,7 @@ class CoordinatorServer:
     async def _observe_loop(self) -> None:
         while True:
             await asyncio.sleep(0.25)
-            self.observe_tick(self.clock())
+            self._guarded("observe timer", self.observe_tick, self.clock())
 
     def observe_tick(self, now: float) -> None:
         wave, running = self.waves.snapshot()
@@ -1087,7 +1134,9 @@ class CoordinatorServer:
             now = self.clock()
             changed = self.loads.changed or self._publish_requested
             if self.gate_open and self.schedule.due(now, changed=changed):
-                self.publish_full(now)
+                self._guarded("publish timer", self.publish_full, now)
+                if self.schedule.due(now, changed=changed):
+                    self.schedule.published(now)  # a failed publish must not spin
                 continue
             if not self.gate_open:
                 self._stats_dirty.clear()

@@ -102,8 +102,18 @@ def test_killed_coordinator_resumes_registrations_wave_and_dispatch(
         (e[0], e[1], e[2]) for e in before["engines"]  # type: ignore[union-attr]
     ]
 
-    # A request submitted after the restart reaches a reconnected stock-shaped engine.
-    reply = frontend.submit("after-restart", b"payload", wave=5)
+    # A request submitted after the restart reaches a reconnected stock-shaped engine
+    # (once its DEALER has reconnected: until then the coordinator says so).
+    attempt = iter(range(1000))
+
+    def submitted() -> list[object] | None:
+        reply = frontend.submit(f"after-restart-{next(attempt)}", b"payload", wave=5)
+        if reply[0] == "error":
+            assert reply[2] == "engine_unreachable", reply
+            return None
+        return reply
+
+    reply = wait_until(submitted, timeout=5.0, interval=0.05)
     assert reply[0] == "submitted", reply
     rank = reply[3]
     assert engines[rank].recv_dispatch(5.0) == [b"\x00", b"payload"]
@@ -150,6 +160,8 @@ def test_restarted_engine_takes_its_rank_back_as_soon_as_the_old_one_is_gone(
     handle = coord.start()
     old = handshake_group(zmq_ctx, handle.addresses, [0, 1], dp_size=2,
                           engine_ids={0: "engine-a", 1: "engine-x"})
+    for engine in old:
+        engine.close_handshake()  # as engines do after READY
     # While the old engine lives, a new one for rank 0 is refused with the remedy.
     rival = RawEngine(zmq_ctx, handle.addresses, 0, dp_size=2)
     rival.send_handshake(hello_payload(engine_id="engine-b"))
