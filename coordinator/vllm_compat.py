@@ -28,10 +28,10 @@ That changes nothing for the peers: each one connects to the address it is
 handed. The front publish socket would be ipc because in internal-LB mode every
 API server runs on the coordinator's host, and those API servers reach the tcp
 address on that host just as well; the back sockets would be ipc because every
-engine is local, and local engines reach it too. The cost is a loopback-speed
-tcp hop for at most ten publishes a second, and a port that other hosts able to
-reach the master ip can also reach, which in those layouts is already true of
-the back sockets, whose traffic (stats, wave reports) matters more.
+engine is local, and local engines reach it too. The cost is a tcp hop on the
+local host instead of ipc, and sockets that other hosts able to reach the
+master ip can reach too; in every mixed layout vLLM already binds one of its
+coordinator sockets there.
 
 Nothing here imports vLLM.
 """
