@@ -518,10 +518,19 @@ def test_edge_values_are_accepted(decode: Callable[[bytes], Any]) -> None:
     stats = vllm_scheduler_stats(
         num_waiting_reqs=2**63 - 1, current_wave=2**32 - 1, kv_cache_usage=0.0
     )
-    msg = decode(ENC(vllm_outputs(65535, scheduler_stats=stats, wave_complete=2**32 - 1)))
+    msg = decode(ENC(vllm_outputs(65535, scheduler_stats=stats, wave_complete=2**32 - 2,
+                                  start_wave=2**32 - 1)))
     assert msg.engine_index == 65535
-    assert msg.wave_complete == 2**32 - 1
+    assert msg.wave_complete == 2**32 - 2
+    assert msg.start_wave == 2**32 - 1
     assert msg.scheduler_stats.num_waiting_reqs == 2**63 - 1
+
+
+@pytest.mark.parametrize("decode", [decode_engine_outputs, decode_engine_report])
+def test_last_u32_wave_cannot_complete(decode: Callable[[bytes], Any]) -> None:
+    """Completing wave 2**32-1 would make the next wave 2**32, past vLLM's u32 wave."""
+    with pytest.raises(ProtocolError):
+        decode(ENC(vllm_outputs(0, wave_complete=2**32 - 1)))
 
 
 @pytest.mark.parametrize("decode", [decode_engine_outputs, decode_engine_report])
