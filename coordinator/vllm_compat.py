@@ -478,14 +478,14 @@ class DPCoordinatorProcess:
         args = ["--vllm-compat", vllm_compat]
         owned_ipc_dir: str | None = None
         if host is None:
-            if ipc_dir is None and os.environ.get("VLLM_RPC_BASE_PATH"):
-                # Where vLLM keeps its own ipc sockets; the directory is ours to remove.
+            if ipc_dir is None:
+                # Under vLLM's ipc base path when set. The directory is ours, so it
+                # goes at shutdown even if the child could not clean up (killed).
                 owned_ipc_dir = tempfile.mkdtemp(
-                    prefix="dpc-", dir=os.environ["VLLM_RPC_BASE_PATH"]
+                    prefix="dpc-", dir=os.environ.get("VLLM_RPC_BASE_PATH") or None
                 )
                 ipc_dir = owned_ipc_dir
-            if ipc_dir is not None:
-                args += ["--ipc-dir", ipc_dir]
+            args += ["--ipc-dir", ipc_dir]
         args += shlex.split(os.environ.get(EXTRA_ARGS_ENV, ""))
         args += list(extra_args)
         if host is not None and self._needs_insecure(host, args):

@@ -328,7 +328,10 @@ def test_sentinel_wakes_a_wait_when_the_process_dies(dropin: DropInFactory) -> N
     assert dict(poller.poll(1000)).get(proc.sentinel) == zmq.POLLIN
     assert proc.exitcode == -signal.SIGKILL
     assert not proc.is_alive()
+    ipc_dir = os.path.dirname(coord.get_stats_publish_address().removeprefix("ipc://"))
+    assert os.path.isdir(ipc_dir)  # a killed child removes nothing
     coord.shutdown(timeout=1.0)  # a dead process shuts down at once
+    assert not os.path.exists(ipc_dir)  # the drop-in owns the directory and removes it
 
 
 def test_shutdown_is_graceful_bounded_and_idempotent(dropin: DropInFactory, zmq_ctx: Ctx) -> None:
