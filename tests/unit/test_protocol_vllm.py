@@ -1252,7 +1252,7 @@ outputs_strategy = st.builds(
     engine_index=st.integers(min_value=0, max_value=65535),
     scheduler_stats=st.none() | stats_strategy,
     timestamp=st.floats(allow_nan=False),
-    wave_complete=st.none() | st.integers(min_value=0, max_value=MAX_WAVE),
+    wave_complete=st.none() | st.integers(min_value=0, max_value=MAX_WAVE - 1),
     start_wave=st.none() | st.integers(min_value=0, max_value=MAX_WAVE),
     weight_version=st.none() | st.text(max_size=8),
 )
