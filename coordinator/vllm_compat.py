@@ -407,7 +407,12 @@ def _stop_coordinator(
     forwarder: _LogForwarder | None,
     owned_ipc_dir: str | None,
     timeout: float,
+    owner_pid: int,
 ) -> None:
+    if os.getpid() != owner_pid:
+        # A forked copy of the owner (vLLM forks API servers and engines) must not
+        # stop the coordinator or delete its sockets when the copy exits.
+        return
     try:
         handle.shutdown(timeout=timeout)
     finally:
@@ -519,13 +524,14 @@ class DPCoordinatorProcess:
                     exited=lambda: handle.process.poll() is not None,
                 )
         except BaseException:
-            _stop_coordinator(handle, forwarder, owned_ipc_dir, timeout=2.0)
+            _stop_coordinator(handle, forwarder, owned_ipc_dir, 2.0, os.getpid())
             raise
         self._forwarder = forwarder
         self._owned_ipc_dir = owned_ipc_dir
+        self._owner_pid = os.getpid()
         # Like vLLM's: the process goes when this object does, or at interpreter exit.
         self._finalizer = weakref.finalize(
-            self, _stop_coordinator, handle, forwarder, owned_ipc_dir, 5.0
+            self, _stop_coordinator, handle, forwarder, owned_ipc_dir, 5.0, self._owner_pid
         )
 
     @staticmethod
@@ -549,10 +555,14 @@ class DPCoordinatorProcess:
         return self.addresses["back_publish"], self.addresses["back_output"]
 
     def shutdown(self, timeout: float | None = 5.0) -> None:
-        """SIGTERM, wait up to `timeout` (None: 5 s), then SIGKILL. Idempotent."""
+        """SIGTERM, wait up to `timeout` (None: 5 s), then SIGKILL. Idempotent.
+
+        Only the process that started the coordinator stops it; in a forked copy
+        this does nothing.
+        """
         if self._finalizer.detach() is not None:
             _stop_coordinator(self._handle, self._forwarder, self._owned_ipc_dir,
-                              timeout=5.0 if timeout is None else timeout)
+                              5.0 if timeout is None else timeout, self._owner_pid)
 
     # -- extras --
 

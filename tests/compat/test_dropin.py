@@ -353,6 +353,25 @@ def test_shutdown_is_graceful_bounded_and_idempotent(dropin: DropInFactory, zmq_
     assert coord.proc.exitcode == 0
 
 
+def test_a_forked_copy_does_not_stop_the_coordinator(dropin: DropInFactory) -> None:
+    """vLLM forks API servers and engines after building the coordinator."""
+    coord = dropin(ParallelConfigStandIn(2, 2))
+    front = coord.get_stats_publish_address().removeprefix("ipc://")
+    pid = os.fork()
+    if pid == 0:  # the copy: what its exit paths would run
+        try:
+            coord.shutdown(timeout=1.0)
+            coord._finalizer()
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert coord.proc.is_alive()
+    assert os.path.exists(front)
+    coord.shutdown()
+    assert not coord.proc.is_alive()
+
+
 def test_dropping_the_object_stops_the_process() -> None:
     """Like vLLM's coordinator, the process does not outlive its owner."""
     coord = DPCoordinatorProcess(ParallelConfigStandIn(2, 2), log_sink=None)
