@@ -330,9 +330,13 @@ class WakeReceivers:
             for rank, sock in zip(self.ranks, xsub, strict=True):
                 try:
                     frames = sock.recv_multipart()
+                    while frames[0] != START:  # e.g. a READY repeated for a late subscriber
+                        frames = sock.recv_multipart()
                 except Again:
+                    # Lost or very late: give up on this wake and the rest of the run
+                    # rather than wait out the timeout on every remaining socket.
                     lost += 1
-                    continue
+                    break
                 if rank == trigger:
                     continue
                 t = clock()

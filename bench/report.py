@@ -107,8 +107,22 @@ def machine() -> dict[str, Any]:
         "msgspec": _version("msgspec"),
         "uvloop": _version("uvloop"),
         "dp_coordinator": _version("dp-coordinator"),
+        "source": _source_revision(),
         "load_average_at_start": [round(x, 2) for x in load],
     }
+
+
+def _source_revision() -> str:
+    """`git describe` of the tree the coordinator runs from ("-dirty": uncommitted edits)."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        out = subprocess.run(["git", "-C", root, "describe", "--always", "--dirty"],
+                             capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return out.stdout.strip() or "unknown"
 
 
 def now_iso() -> str:

@@ -65,9 +65,9 @@ class Plan:
     mode: str
     reps: int
     wake_engines: tuple[int, ...] = (8, 64, 256)
-    wake_count: int = 150
+    wake_count: int = 300
     wake_warmup: int = 30
-    wake_gap_s: float = 0.006
+    wake_gap_s: float = 0.004
     first_engines: tuple[int, ...] = (8, 64)
     first_count: int = 80
     first_warmup: int = 15
@@ -286,6 +286,10 @@ class Bench:
                 continue
             last.append((max(ends) - t0) / 1000.0)
             first.append((min(t for t in starts if t is not None) - t0) / 1000.0)
+        lost = sum(r["lost"] for r in got)
+        if lost:
+            log(f"  {session.name}: a wake did not reach every engine within 2 s; "
+                f"{len(last)} of {count} wakes measured")
         info = {"missing": missing, "bad_payloads": sum(r["bad"] for r in got)}
         return last, first, info
 

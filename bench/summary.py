@@ -158,7 +158,8 @@ def machine_line(results: dict[str, dict[str, Any]]) -> tuple[str, str]:
     load_text = ", ".join(f"{x[0]:.1f}" for x in loads if x)
     text = (f"{m['cpu']}, {m['cores']} cores, Linux {m['kernel']}; Python {m['python']}, "
             f"pyzmq {m['pyzmq']} (libzmq {m['libzmq']}), msgspec {m['msgspec']}, "
-            f"uvloop {m['uvloop']}; load average at start {load_text}")
+            f"uvloop {m['uvloop']}; source {m.get('source', 'unknown')}; load average at "
+            f"start {load_text}")
     return ", ".join(dates) + f" ({'/'.join(modes)} run)", text
 
 
