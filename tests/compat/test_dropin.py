@@ -401,12 +401,14 @@ def test_serve_flags_from_the_environment(
     assert len(beats) >= 2
 
 
-def test_child_log_lines_reach_the_sink(dropin: DropInFactory) -> None:
+def test_child_log_lines_reach_the_sink(dropin: DropInFactory, zmq_ctx: Ctx) -> None:
     lines: list[str] = []
     coord = dropin(ParallelConfigStandIn(2, 2), log_sink=lines.append, log_level="info")
     prefix = f"(dp-coordinator pid={coord.proc.pid}) "
     wait_until(lambda: any("coordinator up" in line for line in lines), timeout=5.0,
                what="the start-up line")
+    # Its loop answers, so its signal handlers are in place: SIGTERM is a clean exit.
+    RawFrontend(zmq_ctx, coord.addresses).state()
     assert all(line.startswith(prefix) for line in lines)
     coord.shutdown()
     assert any("coordinator stopped" in line for line in lines)  # flushed before returning
