@@ -203,6 +203,17 @@ def test_settings_refuse_what_no_coordinator_can_serve(bad: dict[str, Any]) -> N
         resolve_parallel_settings(**bad)
 
 
+def test_insecure_is_passed_only_for_a_non_loopback_bind_without_keys() -> None:
+    """Stock vLLM peers cannot use CURVE; vLLM's own coordinator binds there unauthenticated."""
+    needs = DPCoordinatorProcess._needs_insecure
+    assert needs("10.0.0.1", [])
+    assert needs("[fd00::1]", ["--heartbeat-s", "1"])
+    assert not needs("127.0.0.1", [])
+    assert not needs("[::1]", [])
+    assert not needs("10.0.0.1", ["--insecure"])
+    assert not needs("10.0.0.1", ["--curve-secret-key", "server.key_secret"])
+
+
 # ---- addresses of a real process ---------------------------------------------------------
 
 
