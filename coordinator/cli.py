@@ -54,6 +54,10 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.add_argument("--ipc-dir", default=None, metavar="DIR",
                    help="fixed directory for the ipc sockets, so a restarted coordinator "
                    "binds the same addresses (default: a new private temp directory)")
+    p.add_argument("--bind", action="append", default=[], metavar="KEY=ENDPOINT",
+                   help="bind one socket at ENDPOINT (ipc://... or tcp://host:port) instead "
+                   "of the default, e.g. keep handshake, dispatch and frontend on private "
+                   "ipc while the engine-facing back_* sockets use tcp; repeatable")
     p.add_argument("--port-base", type=int, default=None, metavar="P",
                    help="with --host: bind the six sockets on ports P..P+5 (in the order "
                    "of the table below) instead of free ports, so a restarted coordinator "
@@ -166,6 +170,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_bind_overrides(items: Sequence[str]) -> dict[str, str]:
+    overrides: dict[str, str] = {}
+    for item in items:
+        key, sep, endpoint = item.partition("=")
+        if not sep or not key or not endpoint:
+            raise SystemExit(f"dp-coordinator serve: error: --bind wants KEY=ENDPOINT, got "
+                             f"{item!r}")
+        overrides[key] = endpoint
+    return overrides
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from coordinator.server.config import ServerConfig
     from coordinator.server.run import configure_logging, run_server
@@ -178,6 +193,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         host=args.host,
         ipc_dir=args.ipc_dir,
         port_base=args.port_base,
+        bind_overrides=parse_bind_overrides(args.bind),
         state_file=args.state_file,
         addr_file=args.addr_file,
         lockstep=not args.no_wave_coordination,

@@ -188,7 +188,9 @@ class CoordinatorServer:
         try:
             for index, (key, kind, options) in enumerate(specs):
                 port = cfg.port_base + index if cfg.port_base is not None else 0
-                endpoint = make_endpoint(key, host=cfg.host, ipc_dir=ipc_dir, port=port)
+                endpoint = cfg.bind_overrides.get(key) or make_endpoint(
+                    key, host=cfg.host, ipc_dir=ipc_dir, port=port
+                )
                 sock, resolved = bind_socket(
                     self._ctx, kind, endpoint, max_message_bytes=limit, options=options,
                     configure=configure if endpoint.startswith("tcp://") else None,
@@ -262,13 +264,12 @@ class CoordinatorServer:
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
-        if self._ipc_dir is not None:
-            if self._owns_ipc_dir:
-                shutil.rmtree(self._ipc_dir, ignore_errors=True)
-            else:
-                for key in self.addresses:
-                    with contextlib.suppress(OSError):
-                        os.unlink(os.path.join(self._ipc_dir, key))
+        for endpoint in self.addresses.values():
+            if endpoint.startswith("ipc://"):
+                with contextlib.suppress(OSError):
+                    os.unlink(endpoint[len("ipc://"):])
+        if self._ipc_dir is not None and self._owns_ipc_dir:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
         if self.config.addr_file:
             with contextlib.suppress(OSError):
                 os.unlink(self.config.addr_file)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from coordinator.security import check_bind_safety
-from coordinator.server.transport import DEFAULT_MAX_MESSAGE_BYTES
+from coordinator.server.transport import DEFAULT_MAX_MESSAGE_BYTES, SOCKET_KEYS
 
 
 @dataclass
@@ -23,6 +23,8 @@ class ServerConfig:
     port_base: int | None = None
     """With a host: bind the six sockets on ports port_base..port_base+5 instead of
     free ones, so a restarted coordinator is found at the same addresses."""
+    bind_overrides: dict[str, str] = field(default_factory=dict)
+    """Per-socket endpoints (key -> endpoint) that replace the default for that key."""
     state_file: str | None = None
     """Where to keep what a restarted coordinator cannot learn again from its peers."""
     addr_file: str | None = None
@@ -78,6 +80,15 @@ class ServerConfig:
                 raise ValueError("--port-base needs --host (ipc sockets have no ports)")
             if not 1 <= self.port_base <= 65535 - 5:
                 raise ValueError(f"--port-base must be between 1 and 65530, got {self.port_base}")
+        for key, endpoint in self.bind_overrides.items():
+            if key not in SOCKET_KEYS:
+                raise ValueError(f"--bind {key}=...: unknown socket; the keys are "
+                                 f"{', '.join(SOCKET_KEYS)}")
+            if not endpoint.startswith(("ipc://", "tcp://")):
+                raise ValueError(f"--bind {key}={endpoint}: use an ipc:// or tcp:// endpoint")
+            if endpoint.startswith("tcp://"):
+                check_bind_safety(endpoint, has_keys=self.curve_secret_key is not None,
+                                  insecure=self.insecure)
         if self.frontends < 0:
             raise ValueError(f"--frontends must be >= 0, got {self.frontends}")
         if self.publish_interval_s <= 0 or self.heartbeat_s < self.publish_interval_s:

@@ -18,6 +18,8 @@ from coordinator.server.statefile import StateFileError
 
 log = logging.getLogger("coordinator.server")
 
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+
 EXIT_OK = 0
 EXIT_FATAL = 1
 EXIT_CONFIG = 2
@@ -57,6 +59,9 @@ async def serve_until_signal(server: CoordinatorServer) -> int:
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, request_stop, signal.Signals(signum).name)
+    # Signals were blocked since before bind(); one that came meanwhile is delivered
+    # now, to the handlers above, so an early SIGTERM still cleans up.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     # SIGUSR1 dumps the flight recorder to the log, for a look at a live process.
     loop.add_signal_handler(signal.SIGUSR1, server.dump_recorder)
     try:
@@ -74,15 +79,20 @@ def run_server(config: ServerConfig, *, print_addresses: bool = True) -> int:
     except ValueError as exc:
         log.error("bad configuration: %s", exc)
         return EXIT_CONFIG
+    # The address file tells launchers we are up, and they may stop us at once: hold
+    # SIGTERM/SIGINT until the loop's handlers can close sockets and remove files.
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         addresses = server.bind()
     except (zmq.ZMQError, OSError) as exc:
         log.error("could not bind the coordinator sockets: %s", exc)
         server.close()
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
         return EXIT_FATAL
     except StateFileError as exc:
         log.error("%s", exc)
         server.close()
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
         return EXIT_CONFIG
     log.info(
         "coordinator up: %d engines (ranks %d..%d), %s mode, frontends expected: %d",

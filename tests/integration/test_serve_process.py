@@ -1,0 +1,82 @@
+"""The serve process itself: per-socket binds, signals at awkward moments, bad flags."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+
+def serve(*args: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "coordinator", "serve", *args],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+
+
+def wait_for_file(path: Path, proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()[1].decode()
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.002)
+
+
+def test_bind_overrides_put_chosen_sockets_on_private_ipc(tmp_path: Path) -> None:
+    ipc = tempfile.mkdtemp(prefix="dpc-bind-")  # short: unix socket paths
+    addr = tmp_path / "a.json"
+    proc = serve("--engines", "1", "--host", "127.0.0.1", "--addr-file", str(addr),
+                 "--bind", f"frontend=ipc://{ipc}/fe", "--bind", f"handshake=ipc://{ipc}/hs")
+    try:
+        wait_for_file(addr, proc)
+        addresses = json.loads(addr.read_text())
+        assert addresses["frontend"] == f"ipc://{ipc}/fe"
+        assert addresses["handshake"] == f"ipc://{ipc}/hs"
+        for key in ("dispatch", "back_output", "back_publish", "front_publish"):
+            assert addresses[key].startswith("tcp://127.0.0.1:"), addresses
+    finally:
+        proc.terminate()
+        assert proc.wait(10) == 0
+    assert os.listdir(ipc) == [], "ipc socket files are removed on exit"
+    os.rmdir(ipc)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--bind", "nope=ipc:///tmp/x"], "unknown socket"),
+        (["--bind", "frontend=udp://x"], "use an ipc:// or tcp:// endpoint"),
+        (["--bind", "frontend"], "--bind wants KEY=ENDPOINT"),
+        (["--port-base", "7000"], "--port-base needs --host"),
+        (["--master-ip", "10.0.0.9"], "give its port with --master-port"),
+        (["--host", "0.0.0.0"], "--insecure"),
+    ],
+)
+def test_bad_flags_exit_non_zero_with_a_reason(args: list[str], message: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "coordinator", "serve", "--engines", "1", *args],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode != 0
+    assert message in result.stderr
+
+
+def test_sigterm_right_after_the_address_file_appears_still_cleans_up(tmp_path: Path) -> None:
+    """Launchers may stop the coordinator as soon as it reports its addresses."""
+    for attempt in range(3):
+        addr = tmp_path / f"a{attempt}.json"
+        proc = serve("--engines", "1", "--addr-file", str(addr))
+        wait_for_file(addr, proc)
+        addresses = json.loads(addr.read_text())
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+        assert not addr.exists()
+        for endpoint in addresses.values():
+            assert not os.path.exists(endpoint[len("ipc://"):])
