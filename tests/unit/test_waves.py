@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 
@@ -448,7 +449,7 @@ def test_engine_output_without_wave_fields_changes_nothing() -> None:
 
 def test_dense_mode_ignores_all_wave_input() -> None:
     state = WaveState(lockstep=False)
-    calls = [
+    calls: list[Callable[[], list[WaveAction]]] = [
         lambda: state.on_first_request(1, 0),
         lambda: state.on_first_request(1, 0, now=0.0),
         lambda: state.on_first_request(1, 5, now=9.0),
