@@ -61,6 +61,13 @@ Why a pending wake expires
     engine reports within milliseconds, which clears the pending wake, and
     there is still exactly one wake per wave.
 
+A wake nobody answers
+    If a wake expires and still no engine has reported the wave, the chosen
+    engine may have dropped its request while some peers lost the wake, which
+    leaves the group split. ``on_timer`` then wakes everyone once more (once
+    per wave); a group that stays silent after that is the hang watchdog's
+    business.
+
 Why a reported wave above ours is adopted
     Engines advance their wave only together, when the all-reduce says the
     whole group went idle (or by adopting a newer stamp, which came from a
@@ -123,6 +130,7 @@ class WaveEvent(enum.Enum):
     START_WAVE = "start_wave"
     FIRST_REQUEST = "first_request"
     REPORTED_WAVE = "reported_wave"
+    TIMER = "timer"
 
 
 class WaveCondition(enum.Enum):
@@ -142,6 +150,8 @@ class WaveCondition(enum.Enum):
     WAKE_SENT = "wake_sent"  # paused, live wake, stamp not newer than current
     PAUSED = "paused"  # paused, no live wake, stamp not newer than current
     PAUSED_NEWER_STAMP = "paused_newer_stamp"  # paused, stamp newer than current
+    NOTHING_DUE = "nothing_due"  # timer: no unanswered coordinator wake to retry
+    WAKE_UNANSWERED = "wake_unanswered"  # timer: our wake expired, no engine reported, once
 
 
 class WaveUpdate(enum.Enum):
@@ -228,6 +238,17 @@ TRANSITIONS: Mapping[tuple[WaveEvent, WaveCondition], Transition] = {
         broadcast=Exclude.NOBODY,
         publish=True,
     ),
+    (_E.TIMER, _C.NOTHING_DUE): _IGNORE,
+    # Our wake expired and no engine said the wave started: some engine may have
+    # lost it while the chosen one dropped the request, leaving the group split.
+    # Wake everyone once more; a second silence is left to the hang watchdog.
+    (_E.TIMER, _C.WAKE_UNANSWERED): Transition(
+        running=None,
+        wave=WaveUpdate.KEEP,
+        wake=WakeUpdate.MARK_CURRENT,
+        broadcast=Exclude.NOBODY,
+        publish=False,
+    ),
     (_E.REPORTED_WAVE, _C.STALE): _IGNORE,
     (_E.REPORTED_WAVE, _C.CURRENT): _IGNORE,
     # Every earlier wave ended; the group waits at this one for a start_wave.
@@ -239,6 +260,19 @@ TRANSITIONS: Mapping[tuple[WaveEvent, WaveCondition], Transition] = {
         publish=True,
     ),
 }
+
+
+def classify_timer(
+    current: int,
+    running: bool,
+    pending_for: int | None,
+    live: int | None,
+    retried_for: int | None,
+) -> WaveCondition:
+    """``live`` is the pending wake after expiry; ``retried_for`` the wave already retried."""
+    if running or pending_for != current or live is not None or retried_for == current:
+        return WaveCondition.NOTHING_DUE
+    return WaveCondition.WAKE_UNANSWERED
 
 
 def live_wake(
@@ -312,6 +346,7 @@ class WaveState:
         self._running = running
         self._wake_pending_for: int | None = None
         self._wake_sent_at: float | None = None
+        self._wake_retried_for: int | None = None
 
     @property
     def current_wave(self) -> int:
@@ -375,6 +410,18 @@ class WaveState:
         return self._apply(
             TRANSITIONS[WaveEvent.FIRST_REQUEST, condition], stamped_wave, chosen, now
         )
+
+    def on_timer(self, now: float) -> list[WaveAction]:
+        """Called periodically: retries, once per wave, a wake nobody answered."""
+        if not self.lockstep:
+            return []
+        condition = classify_timer(
+            self._wave, self._running, self._wake_pending_for, self.wake_pending(now),
+            self._wake_retried_for,
+        )
+        if condition is WaveCondition.WAKE_UNANSWERED:
+            self._wake_retried_for = self._wave
+        return self._apply(TRANSITIONS[WaveEvent.TIMER, condition], self._wave, -1, now)
 
     def on_reported_wave(self, rank: int, wave: int) -> list[WaveAction]:
         """The ``current_wave`` of a stats report from engine ``rank``."""

@@ -514,6 +514,15 @@ class CoordinatorServer:
             return
         now = self.clock()
         self.membership.touch(rank, now)
+        if msg.wave_complete is not None or msg.start_wave is not None:
+            if msg.wave_complete is not None:
+                cause = f"wave_complete({msg.wave_complete}) from rank {rank}"
+            else:
+                cause = f"start_wave({msg.start_wave}) from rank {rank}"
+            self._apply_wave_actions(
+                self.waves.on_engine_output(rank, msg.wave_complete, msg.start_wave, now=now),
+                cause=cause, rank=rank,
+            )
         stats = msg.scheduler_stats
         if stats is not None:
             was_changed = self.loads.changed
@@ -540,15 +549,6 @@ class CoordinatorServer:
             self._apply_wave_actions(
                 self.waves.on_reported_wave(rank, stats.current_wave),
                 cause=f"stats from rank {rank} report wave {stats.current_wave}", rank=rank,
-            )
-        if msg.wave_complete is not None or msg.start_wave is not None:
-            if msg.wave_complete is not None:
-                cause = f"wave_complete({msg.wave_complete}) from rank {rank}"
-            else:
-                cause = f"start_wave({msg.start_wave}) from rank {rank}"
-            self._apply_wave_actions(
-                self.waves.on_engine_output(rank, msg.wave_complete, msg.start_wave, now=now),
-                cause=cause, rank=rank,
             )
 
     def _apply_wave_actions(
@@ -1063,6 +1063,8 @@ class CoordinatorServer:
             self._guarded("observe timer", self.observe_tick, self.clock())
 
     def observe_tick(self, now: float) -> None:
+        self._apply_wave_actions(self.waves.on_timer(now), cause="unanswered wake retried",
+                                 rank=None)
         wave, running = self.waves.snapshot()
         self.watchdog.observe_group(
             running=running and self.config.lockstep, wave=wave, ranks=self._rank_range(),

@@ -58,8 +58,9 @@ class ServerConfig:
     metrics_host: str = "127.0.0.1"
     watchdog_stall_s: float = 30.0
     """Hang watchdog threshold; 0 disables it."""
-    watchdog_rewake: bool = False
-    """Re-broadcast the wave start when the watchdog sees no progress."""
+    watchdog_rewake: bool = True
+    """Re-broadcast the wave start when the watchdog sees no progress. Harmless when the
+    alarm is false (running engines ignore it), so on by default."""
     recorder_size: int = 1000
     curve_secret_key: str | None = None
     curve_clients_dir: str | None = None

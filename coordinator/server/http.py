@@ -546,9 +546,10 @@ def add_observability_arguments(parser: argparse.ArgumentParser) -> None:
                        help="alert when the group is believed running but no rank stepped "
                        "for S seconds, or ranks report different waves for S seconds; "
                        "0 disables (default 30)")
-    group.add_argument("--watchdog-rewake", action="store_true",
-                       help="when the watchdog fires, broadcast START_DP_WAVE for the current "
-                       "wave again")
+    group.add_argument("--no-watchdog-rewake", dest="watchdog_rewake", action="store_false",
+                       help="when the watchdog fires, only report it; by default it also "
+                       "broadcasts START_DP_WAVE [wave, nil] again, which running engines "
+                       "ignore, so a false alarm costs nothing")
     group.add_argument("--recorder-size", type=int, default=1000, metavar="N",
                        help="wave and membership transitions kept for /debug/waves, SIGUSR1 "
                        "and watchdog alerts (default 1000)")

@@ -436,9 +436,9 @@ def test_observability_arguments() -> None:
     add_observability_arguments(parser)
     args = parser.parse_args([])
     assert (args.metrics_port, args.metrics_host, args.watchdog_stall_s, args.watchdog_rewake,
-            args.recorder_size) == (None, "127.0.0.1", 30.0, False, 1000)
+            args.recorder_size) == (None, "127.0.0.1", 30.0, True, 1000)
     args = parser.parse_args(["--metrics-port", "0", "--metrics-host", "::1",
-                              "--watchdog-stall-s", "5", "--watchdog-rewake",
+                              "--watchdog-stall-s", "5", "--no-watchdog-rewake",
                               "--recorder-size", "50"])
     assert (args.metrics_port, args.metrics_host, args.watchdog_stall_s, args.watchdog_rewake,
-            args.recorder_size) == (0, "::1", 5.0, True, 50)
+            args.recorder_size) == (0, "::1", 5.0, False, 50)

@@ -210,6 +210,7 @@ class Load:
         self.finished: set[str] = set()
         self._ids = itertools.count()
         self._task: asyncio.Task[None] | None = None
+        self._stop = asyncio.Event()
 
     def on_finished(self, request_id: str) -> None:
         self.finished.add(request_id)
@@ -234,16 +235,21 @@ class Load:
             for i in itertools.count():
                 rank = None if dp_ranks is None else dp_ranks[i % len(dp_ranks)]
                 await self.submit(steps(i), dp_rank=rank)
-                await asyncio.sleep(interval_s)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), interval_s)
+                if self._stop.is_set():
+                    return
 
+        self._stop.clear()
         self._task = asyncio.ensure_future(stream())
 
     async def stop_stream(self) -> None:
+        """Stop after the submit in progress (a flag, not cancel: on Python 3.10/3.11
+        `wait_for` drops a cancellation that races with its result)."""
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            self._stop.set()
+            await asyncio.wait_for(task, 2 * STEP)
 
     async def all_finished(self, timeout: float = STEP) -> None:
         async def done() -> bool:
@@ -449,7 +455,7 @@ async def test_watchdog_quiet_when_healthy_fires_on_a_planted_hang(
 ) -> None:
     port = free_port()
     handle = coordinator(3, transport="tcp", frontends=1, extra_args=metrics_args(
-        port, "--watchdog-stall-s", str(STALL_S), "--watchdog-rewake"))
+        port, "--watchdog-stall-s", str(STALL_S)))  # re-wake is on by default
     http = Http(port)
     await http.wait_healthy()
     async with sim_group(handle, 3, prefix=hang) as group:

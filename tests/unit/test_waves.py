@@ -19,6 +19,7 @@ from coordinator.core.waves import (
     classify_first_request,
     classify_reported_wave,
     classify_start_wave,
+    classify_timer,
     classify_wave_complete,
     live_wake,
 )
@@ -61,6 +62,8 @@ def test_table_has_one_row_per_reachable_condition() -> None:
         (WaveEvent.REPORTED_WAVE, WaveCondition.STALE),
         (WaveEvent.REPORTED_WAVE, WaveCondition.CURRENT),
         (WaveEvent.REPORTED_WAVE, WaveCondition.NEWER),
+        (WaveEvent.TIMER, WaveCondition.NOTHING_DUE),
+        (WaveEvent.TIMER, WaveCondition.WAKE_UNANSWERED),
     }
     assert set(TRANSITIONS) == expected
 
@@ -466,3 +469,59 @@ def test_dense_mode_ignores_all_wave_input() -> None:
     for call in calls:
         assert call() == []
         assert (state.snapshot(), state.wake_pending_for) == ((0, False), None)
+
+
+# ---- timer: one retry of an unanswered coordinator wake ------------------------------
+
+
+def test_timer_retries_an_unanswered_wake_once_then_leaves_it_to_the_watchdog() -> None:
+    state = WaveState(wave=3, rewake_after_s=1.0)
+    assert state.on_first_request(2, 3, now=10.0) == [BroadcastStartWave(3, None)]
+    assert state.on_timer(10.5) == []  # still live
+    assert state.on_timer(11.0) == [BroadcastStartWave(3, None)]  # expired: retry
+    assert state.wake_pending(11.5) == 3  # the retry is live again
+    assert state.on_timer(12.5) == []  # one retry per wave only
+    assert state.snapshot() == (3, False)  # running still waits for an engine
+
+
+def test_timer_does_nothing_once_an_engine_reported_the_wave() -> None:
+    state = WaveState(wave=3, rewake_after_s=1.0)
+    state.on_first_request(2, 3, now=10.0)
+    assert state.on_start_wave(2, 3, now=10.01) == [PublishWave(3, True)]
+    assert state.on_timer(20.0) == []
+
+
+def test_timer_does_nothing_without_a_coordinator_wake_or_in_dense_mode() -> None:
+    assert WaveState(wave=1).on_timer(100.0) == []
+    dense = WaveState(lockstep=False)
+    dense.on_first_request(0, 0, now=0.0)
+    assert dense.on_timer(100.0) == []
+
+
+def test_timer_retries_again_in_a_later_wave() -> None:
+    state = WaveState(wave=3, rewake_after_s=1.0)
+    state.on_first_request(0, 3, now=0.0)
+    assert state.on_timer(1.0) == [BroadcastStartWave(3, None)]
+    state.on_start_wave(1, 3, now=1.1)
+    state.on_wave_complete(0, 3)
+    assert state.on_first_request(0, 4, now=5.0) == [BroadcastStartWave(4, None)]
+    assert state.on_timer(6.0) == [BroadcastStartWave(4, None)]
+
+
+@pytest.mark.parametrize(
+    ("running", "pending", "live", "retried", "expected"),
+    [
+        (True, 3, None, None, WaveCondition.NOTHING_DUE),
+        (False, None, None, None, WaveCondition.NOTHING_DUE),
+        (False, 2, None, None, WaveCondition.NOTHING_DUE),  # pending for an older wave
+        (False, 3, 3, None, WaveCondition.NOTHING_DUE),  # still live
+        (False, 3, None, 3, WaveCondition.NOTHING_DUE),  # already retried
+        (False, 3, None, None, WaveCondition.WAKE_UNANSWERED),
+        (False, 3, None, 2, WaveCondition.WAKE_UNANSWERED),
+    ],
+)
+def test_classify_timer(
+    running: bool, pending: int | None, live: int | None, retried: int | None,
+    expected: WaveCondition,
+) -> None:
+    assert classify_timer(3, running, pending, live, retried) is expected
