@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import textwrap
 from typing import Any
 
 from bench import report
@@ -23,6 +24,15 @@ def _fmt(value: Any, digits: int = 0) -> str:
     if isinstance(value, (int, float)):
         return f"{value:,.{digits}f}"
     return str(value)
+
+
+def _short_number(value: float, _position: object = None) -> str:
+    """Axis labels: 500, 2k, 1.5M."""
+    if value >= 1e6:
+        return f"{value / 1e6:g}M"
+    if value >= 1e3:
+        return f"{value / 1e3:g}k"
+    return f"{value:g}"
 
 
 def _ratio(value: Any) -> str:
@@ -231,6 +241,12 @@ def write_figure(directory: str, results: dict[str, dict[str, Any]]) -> str | No
             ax.text(0.5, 0.5, "not run", ha="center", transform=ax.transAxes)
             return
         styles = ["-", "--", ":"]
+        # Stop the axis a little past the largest p99.5: a single stall of a
+        # neighbour's making should not squash every curve to the left edge.
+        curves = [t[key] for case in data["cases"] for t in case["targets"].values()
+                  if len(t.get(key) or []) == len(quantiles)]
+        right = max(c[95] for c in curves) * 3 if curves else None
+        left = min(c[1] for c in curves) / 2 if curves else None
         for c, case in enumerate(data["cases"]):
             engines = case["params"].get("engines")
             if case_filter and engines not in case_filter:
@@ -244,17 +260,19 @@ def write_figure(directory: str, results: dict[str, dict[str, Any]]) -> str | No
         if log:
             ax.set_xscale("log")
             ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
-            ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+            ax.xaxis.set_major_formatter(FuncFormatter(_short_number))
             ax.xaxis.set_minor_formatter(NullFormatter())
+        if right is not None and left is not None and 0 < left < right:
+            ax.set_xlim(left=left, right=right)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
 
     cdf_panel(axes[0][0], results.get("wake"), "cdf_us", "Wake latency (start_wave → all "
-              "engines have START_DP_WAVE)", "µs (log)")
+              "engines have START_DP_WAVE)", "µs (log; axis ends at 3x the largest p95)")
     cdf_panel(axes[0][1], results.get("first_request"), "cdf_us", "First request (submit → "
-              "request + every wake delivered)", "µs (log)")
+              "request + every wake delivered)", "µs (log; axis ends at 3x the largest p95)")
     cdf_panel(axes[1][0], results.get("cadence"), "cdf_ms", "Full-publish intervals under "
-              "saturating stats (target p99 <= 130 ms)", "ms", log=False)
+              "saturating stats (target p99 <= 130 ms)", "ms (log)")
 
     ax = axes[1][1]
     groups: list[tuple[str, dict[str, float]]] = []
@@ -287,7 +305,8 @@ def write_figure(directory: str, results: dict[str, dict[str, Any]]) -> str | No
     if names:
         ax.legend(fontsize=7)
     date, machine = machine_line(results)
-    fig.suptitle(f"dp-coordinator benchmarks, {date}\n{machine}", fontsize=8)
+    fig.suptitle(f"dp-coordinator benchmarks, {date}\n{textwrap.fill(machine, 160)}",
+                 fontsize=8)
     fig.tight_layout()
     path = os.path.join(directory, "summary.png")
     fig.savefig(path, dpi=110)
