@@ -148,6 +148,15 @@ def add_status_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--json", action="store_true", help="print the raw state as JSON")
     p.add_argument("--timeout", type=float, default=5.0,
                    help="seconds to wait for the coordinator's answer (default 5)")
+    add_curve_client_arguments(p)
+
+
+def add_curve_client_arguments(p: argparse.ArgumentParser) -> None:
+    """Key flags for tools that talk to a coordinator with CURVE on its tcp sockets."""
+    p.add_argument("--curve-secret-key", default=None, metavar="FILE",
+                   help="this client's secret key file, for a coordinator that requires CURVE")
+    p.add_argument("--curve-server-key", default=None, metavar="FILE",
+                   help="the coordinator's public key file (NAME.key)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -23,6 +23,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from coordinator.engine import CurveClientKeys
 from coordinator.frontend import group_state_to_builtins
 from coordinator.protocol import frontend as fp
 from coordinator.protocol.errors import ProtocolError
@@ -54,13 +55,22 @@ def read_address_file(path: str) -> str:
 class StateQuery:
     """A DEALER to the coordinator's frontend socket, asking for state on demand."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        curve_secret_key: str | None = None,
+        curve_server_key: str | None = None,
+    ) -> None:
         self.address = address
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         if address.startswith("tcp://["):
             self._sock.setsockopt(zmq.IPV6, 1)
+        keys = CurveClientKeys.from_options(curve_secret_key, curve_server_key)
+        if keys is not None:
+            keys.apply(self._sock, address)
         self._sock.connect(address)
         self._call_ids = itertools.count(1)
 
@@ -144,7 +154,12 @@ def run_status(args: argparse.Namespace) -> int:
     except StatusError as exc:
         print(f"dp-coordinator status: {exc}", file=sys.stderr, flush=True)
         return EXIT_ERROR
-    query = StateQuery(address)
+    try:
+        query = StateQuery(address, curve_secret_key=args.curve_secret_key,
+                           curve_server_key=args.curve_server_key)
+    except ValueError as exc:
+        print(f"dp-coordinator status: {exc}", file=sys.stderr, flush=True)
+        return EXIT_ERROR
     try:
         if not args.watch:
             state = query.query(args.timeout)

@@ -238,14 +238,22 @@ class HttpSource:
 class FrontendSource:
     """Asks the coordinator's frontend socket (`QueryState`)."""
 
-    def __init__(self, addr_file: str, timeout_s: float) -> None:
+    def __init__(
+        self,
+        addr_file: str,
+        timeout_s: float,
+        *,
+        curve_secret_key: str | None = None,
+        curve_server_key: str | None = None,
+    ) -> None:
         try:
             address = read_address_file(addr_file)
-        except StatusError as exc:
+            self._query = StateQuery(address, curve_secret_key=curve_secret_key,
+                                     curve_server_key=curve_server_key)
+        except (StatusError, ValueError) as exc:
             raise TopError(str(exc)) from None
         self.address = address
         self.timeout_s = timeout_s
-        self._query = StateQuery(address)
 
     def fetch(self) -> TopFrame:
         try:
@@ -349,6 +357,9 @@ def add_top_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     p.add_argument("--timeout", type=float, default=5.0, metavar="S",
                    help="seconds to wait for each answer (default 5)")
     p.add_argument("--once", action="store_true", help="print one frame and exit")
+    from coordinator.cli import add_curve_client_arguments
+
+    add_curve_client_arguments(p)
     p.add_argument("--frames", type=int, default=None, metavar="N",
                    help="stop after N refreshes (default: until Ctrl-C)")
 
@@ -356,7 +367,9 @@ def add_top_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
 def _open_source(args: argparse.Namespace) -> StateSource:
     if args.url:
         return HttpSource(args.url, args.timeout)
-    return FrontendSource(args.addr_file, args.timeout)
+    return FrontendSource(args.addr_file, args.timeout,
+                          curve_secret_key=getattr(args, "curve_secret_key", None),
+                          curve_server_key=getattr(args, "curve_server_key", None))
 
 
 def run_top(args: argparse.Namespace, *, console: Console | None = None) -> int:

@@ -265,9 +265,10 @@ class HangWatchdog:
         )
         silent = [rank for rank in ranks if rank not in self._reports]
         message = (
-            f"wave {self._wave} is believed running but no rank has stepped for "
-            f"{now - since:.1f} s (limit {self.stall_after_s:g} s); a collective is probably "
-            f"hung. Last reports: {steps or 'none'}"
+            f"wave {self._wave} is believed running but no rank has reported progress for "
+            f"{now - since:.1f} s (limit {self.stall_after_s:g} s): a collective may be hung "
+            f"(or a long decode whose request counts did not change: engines report only "
+            f"on changes). Last reports: {steps or 'none'}"
             + (f"; never reported: ranks {','.join(map(str, silent))}" if silent else "")
         )
         return WatchdogAlert(NO_PROGRESS, since, message, ranks)

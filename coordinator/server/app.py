@@ -151,6 +151,7 @@ class CoordinatorServer:
         self._serving = False
         self._held_wake: list[bytes] | None = None
         self._last_http_update = 0.0
+        self._http_push_scheduled = False
         self._row_width = 2 if config.vllm_compat == "legacy" else 3
 
     # ---- setup and teardown -------------------------------------------------
@@ -284,6 +285,7 @@ class CoordinatorServer:
         self._serving = True
         if self._state_dirty:
             self.save_state()
+        self._push_observed(self.clock(), force=True)
         handlers: dict[str, Callable[[list[bytes]], None]] = {
             "handshake": self.on_handshake,
             "dispatch": self.on_dispatch,
@@ -429,6 +431,7 @@ class CoordinatorServer:
         self.counters[f"handshake.{step}.accepted"] += 1
         self._record(KIND_MEMBERSHIP, f"{step} accepted", rank=lease.rank,
                      engine_id=lease.engine_id, incarnation=lease.incarnation)
+        self._push_observed(self.clock())
         self._state_changed()
         if result.replaced is not None:
             self.counters["handshake.replaced"] += 1
@@ -1092,11 +1095,28 @@ class CoordinatorServer:
             log.warning("%s", line)
 
     def _push_observed(self, now: float, *, force: bool = False) -> None:
-        """Hand the HTTP thread a fresh snapshot (at most every 50 ms unless forced)."""
-        if self.http is None or (not force and now - self._last_http_update < 0.05):
+        """Hand the HTTP thread a fresh snapshot: at once, or (when one went out less than
+        50 ms ago) at the end of that interval, so no change waits for the next tick."""
+        if self.http is None:
+            return
+        wait = 0.05 - (now - self._last_http_update)
+        if not force and wait > 0:
+            if not self._http_push_scheduled:
+                self._http_push_scheduled = True
+                asyncio.get_running_loop().call_later(wait, self._deferred_push)
             return
         self._last_http_update = now
         self.http.update(self.observed_state(now))
+
+    def _deferred_push(self) -> None:
+        self._http_push_scheduled = False
+        self._push_observed(self.clock(), force=True)
+
+    def _all_counters(self) -> dict[str, int]:
+        counters = dict(self.counters)
+        if self.curve is not None:
+            counters.update(self.curve.counters())
+        return counters
 
     def observed_state(self, now: float) -> ObservedState:
         from coordinator.frontend import group_state_to_builtins
@@ -1113,9 +1133,7 @@ class CoordinatorServer:
                 report_age_s=self.watchdog.report_age(rank, now),
                 in_flight=self.in_flight_by_rank.get(rank, 0),
             ))
-        counters = dict(self.counters)
-        if self.curve is not None:
-            counters.update(self.curve.counters())
+        counters = self._all_counters()
         if self._recorder_json[0] != self.recorder.recorded:
             self._recorder_json = (self.recorder.recorded, self.recorder.as_json())
         totals = self.timeline.totals(now)
@@ -1209,5 +1227,5 @@ class CoordinatorServer:
             wave=wave, running=running, lockstep=self.config.lockstep,
             rank_start=self.config.rank_start, rank_count=self.config.engines,
             frontends=len(self.frontends), in_flight=len(self.in_flight), engines=engines,
-            counters=dict(self.counters), shutting_down=self.shutting_down,
+            counters=self._all_counters(), shutting_down=self.shutting_down,
         )

@@ -18,7 +18,7 @@ from coordinator.server.statefile import StateFileError
 
 log = logging.getLogger("coordinator.server")
 
-STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1}
 
 EXIT_OK = 0
 EXIT_FATAL = 1

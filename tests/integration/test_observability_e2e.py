@@ -499,7 +499,7 @@ async def test_watchdog_quiet_when_healthy_fires_on_a_planted_hang(
         state = await http.state()
         alert = next(a for a in state["watchdog"] if a["kind"] == "no_progress")
         assert alert["ranks"] == [0, 1, 2]
-        assert "no rank has stepped" in alert["message"]
+        assert "no rank has reported progress" in alert["message"]
         assert alert["for_s"] >= STALL_S
         assert state["running"] is True
         counters = await watchdog_counters(http)
@@ -512,7 +512,7 @@ async def test_watchdog_quiet_when_healthy_fires_on_a_planted_hang(
 
         log = handle.stderr_text()
         line = re.search(r"ERROR coordinator\.server: WATCHDOG: wave \d+ is believed running "
-                         r"but no rank has stepped for [\d.]+ s", log)
+                         r"but no rank has reported progress for [\d.]+ s", log)
         assert line is not None, log[-3000:]
         after_alert = log[line.end():]
         assert re.search(r"flight recorder: last \d+ of \d+ events", after_alert)

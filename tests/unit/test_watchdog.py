@@ -106,7 +106,9 @@ def test_no_progress_fires_once_then_clears_on_a_step_and_fires_again() -> None:
     assert alert.kind == NO_PROGRESS
     assert alert.since == 1.0
     assert alert.ranks == (0, 1, 2, 3)
-    assert "wave 0 is believed running but no rank has stepped for 10.0 s" in alert.message
+    assert "wave 0 is believed running but no rank has reported progress for 10.0 s" in (
+        alert.message
+    )
     assert "rank 2 at wave 0 step 1" in alert.message
     assert dog.active == [alert]
     assert dog.check(30.0) == []  # same episode: no repeat
