@@ -30,5 +30,17 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/pytest tests/unit $(PYTEST_ARGS)
 
+bench: $(STAMP)
+	$(BIN)/python -m bench $(ARGS)
+
+bench-quick: $(STAMP)
+	$(BIN)/python -m bench --quick $(ARGS)
+
+fuzz: $(STAMP)
+	$(BIN)/python -m tools.fuzz --seconds 600 $(ARGS)
+
+chaos: $(STAMP)
+	$(BIN)/python -m tools.chaos --seconds 600 $(ARGS)
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .coverage .hypothesis
