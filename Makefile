@@ -22,7 +22,7 @@ test: $(STAMP) lint typecheck
 	$(BIN)/coverage report --include='coordinator/core/*,coordinator/protocol/*' --fail-under=95
 
 lint: $(STAMP)
-	$(BIN)/ruff check coordinator tests bench
+	$(BIN)/ruff check coordinator tests bench tools
 
 typecheck: $(STAMP)
 	$(BIN)/mypy --strict coordinator
