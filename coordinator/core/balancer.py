@@ -32,6 +32,7 @@ draining and cordoned ranks are filtered out before), score them with
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -67,6 +68,12 @@ class StatsOutcome:
 
 
 _DROPPED = StatsOutcome(applied=False, stale=False, snapshot_taken=False)
+# Reports are the hot path: share the four possible outcomes instead of building one each.
+_APPLIED = {
+    (stale, snapshot): StatsOutcome(applied=True, stale=stale, snapshot_taken=snapshot)
+    for stale in (False, True)
+    for snapshot in (False, True)
+}
 
 
 def is_stale_report(last: tuple[int, int] | None, wave: int, step: int) -> bool:
@@ -90,6 +97,8 @@ class LoadTable:
         if size < 0:
             raise ValueError(f"load table size must be >= 0, got {size}")
         self._rows: list[RankLoad] = [RankLoad() for _ in range(size)]
+        # load_score of every row, kept current, so a pick is a scan over floats.
+        self._scores: list[float] = [0.0] * size
         self._changed = False
         # Highest (wave, step) reported by any engine; lockstep only.
         self._step_mark: tuple[int, int] | None = None
@@ -145,13 +154,16 @@ class LoadTable:
         row.dispatched_since_report = 0
         row.last_step = mark
         row.reports += 1
+        self._scores[rank] = load_score(row)
         self._changed = True
-        return StatsOutcome(applied=True, stale=stale, snapshot_taken=snapshot_taken)
+        return _APPLIED[stale, snapshot_taken]
 
     def note_dispatched(self, rank: int, n: int = 1) -> None:
         """Count `n` requests the coordinator sent to `rank` since its last report."""
         if self._has_rank(rank):
-            self._rows[rank].dispatched_since_report += n
+            row = self._rows[rank]
+            row.dispatched_since_report += n
+            self._scores[rank] = load_score(row)
 
     def resize(self, size: int) -> None:
         """Grow with empty rows or truncate to `size` ranks.
@@ -166,7 +178,9 @@ class LoadTable:
             return
         if size < len(self._rows):
             del self._rows[size:]
+            del self._scores[size:]
         else:
+            self._scores.extend([0.0] * (size - len(self._rows)))
             self._rows.extend(RankLoad() for _ in range(size - len(self._rows)))
         self._pending_snapshot = None
         self._changed = True
@@ -174,6 +188,10 @@ class LoadTable:
     def rows(self) -> list[Row]:
         """Current `(waiting, running, kv_cache_usage)` per rank, in rank order."""
         return [(r.waiting, r.running, r.kv_cache_usage) for r in self._rows]
+
+    def score(self, rank: int) -> float:
+        """`load_score` of `rank`'s row (kept current as the row changes)."""
+        return self._scores[rank]
 
     def load(self, rank: int) -> RankLoad:
         """The live row for `rank` (read it, do not modify it)."""
@@ -229,17 +247,23 @@ def pick_least_loaded(table: LoadTable, candidates: Sequence[int], start: int) -
     cannot be scored and are skipped.
     """
     count = len(candidates)
-    best: int | None = None
-    best_score = 0.0
-    for offset in range(count):
-        rank = candidates[(start + offset) % count]
-        if not table._has_rank(rank):
-            continue
-        score = load_score(table._rows[rank])
-        if best is None or score < best_score:
-            best = rank
-            best_score = score
-    return best
+    if count == 0:
+        return None
+    size = table.size
+    scores = table._scores
+    # Unscorable candidates get +inf so they only "win" when nothing else exists.
+    candidate_scores = [scores[r] if 0 <= r < size else math.inf for r in candidates]
+    low = min(candidate_scores)
+    if low == math.inf:
+        return None
+    # The first candidate with the lowest score at or after `start`, else from the
+    # beginning: the same rotating scan, done by list.index in C.
+    first = start % count
+    try:
+        index = candidate_scores.index(low, first)
+    except ValueError:
+        index = candidate_scores.index(low)
+    return candidates[index]
 
 
 class LeastLoaded:
@@ -293,8 +317,8 @@ class PowerOfTwoChoices:
             # cover; a scan skips them reliably.
             chosen = pick_least_loaded(table, candidates, self._start)
         else:
-            first_score = load_score(table._rows[first_rank])
-            second_score = load_score(table._rows[second_rank])
+            first_score = table.score(first_rank)
+            second_score = table.score(second_rank)
             if first_score == second_score:
                 # Prefer whichever position comes first scanning from the start.
                 take_first = (first - self._start) % count < (second - self._start) % count

@@ -257,6 +257,9 @@ class Membership:
         self._handshake_ttl_s = handshake_ttl_s if handshake_ttl_s is not None else lease_ttl_s
         self._group_config_hash: str | None = None
         self._leases: dict[int, EngineLease] = {}
+        # dispatchable() without `now` is asked on every submit; recomputed only after
+        # a lease's state or connection changes (each such place resets it).
+        self._dispatchable: list[int] | None = None
         # Outlives the leases (and resizes), so incarnations never repeat per rank.
         self._last_incarnation: dict[int, int] = {}
 
@@ -301,13 +304,18 @@ class Membership:
         Without ``now`` the lease TTL is not checked (the server's ``expire``
         timer keeps DEAD states current); with it, stale leases are left out too.
         """
-        return [
+        if now is None and self._dispatchable is not None:
+            return self._dispatchable
+        ranks = [
             rank
             for rank in sorted(self._leases)
             if (lease := self._leases[rank]).state is RankState.READY
             and lease.dispatch_connected
             and self._alive(lease, now)
         ]
+        if now is None:
+            self._dispatchable = ranks
+        return ranks
 
     def all_ready(self, *, now: float | None = None) -> bool:
         """Whether every rank in range has a READY lease (False for an empty range)."""
@@ -354,6 +362,7 @@ class Membership:
             incarnation=incarnation,
         )
         self._leases[rank] = fresh
+        self._dispatchable = None
         return Accepted(dataclasses.replace(fresh), replaced=previous)
 
     def ready(
@@ -397,6 +406,7 @@ class Membership:
         ):
             # The rank is released rather than kept: this engine can never join.
             lease.state = RankState.DEAD
+            self._dispatchable = None
             return Refused(
                 RefusalReason.CONFIG_HASH_MISMATCH,
                 f"parallel config hash mismatch for dp_rank={rank}: the group runs with "
@@ -408,6 +418,7 @@ class Membership:
         if parallel_config_hash is not None:
             self._group_config_hash = parallel_config_hash
         lease.state = NEXT_STATE[(lease.state, LeaseEvent.READY)]
+        self._dispatchable = None
         lease.parallel_config_hash = parallel_config_hash
         lease.last_seen = now
         return Accepted(dataclasses.replace(lease))
@@ -420,6 +431,7 @@ class Membership:
         if lease is None or not self._alive(lease, now):
             return False
         lease.dispatch_connected = True
+        self._dispatchable = None
         lease.last_seen = now
         return True
 
@@ -520,6 +532,7 @@ class Membership:
             incarnation=incarnation,
         )
         self._leases[rank] = lease
+        self._dispatchable = None
         if parallel_config_hash is not None and self._group_config_hash is None:
             self._group_config_hash = parallel_config_hash
         return Accepted(dataclasses.replace(lease))
@@ -536,6 +549,7 @@ class Membership:
         changes = [RankChanged(rank, self._leases[rank].state, None, cause) for rank in dropped]
         for rank in dropped:
             del self._leases[rank]
+            self._dispatchable = None
         return changes
 
     # -- internals -------------------------------------------------------------
@@ -554,6 +568,7 @@ class Membership:
             return []
         old = lease.state
         lease.state = new
+        self._dispatchable = None
         return [RankChanged(lease.rank, old, new, cause)]
 
     def _pinned_hash(self, now: float) -> str | None:
@@ -593,6 +608,7 @@ class Membership:
             )
         old = lease.state
         lease.state = new
+        self._dispatchable = None
         return RankChanged(rank, old, new, _COMMAND_CAUSES[event])
 
     def _mismatch_message(self, holder: EngineLease, engine_id: str | None, now: float) -> str:

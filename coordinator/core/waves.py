@@ -425,8 +425,8 @@ class WaveState:
 
     def on_reported_wave(self, rank: int, wave: int) -> list[WaveAction]:
         """The ``current_wave`` of a stats report from engine ``rank``."""
-        if not self.lockstep:
-            return []
+        if not self.lockstep or wave <= self._wave:
+            return []  # the STALE and CURRENT rows, without the lookup: every report lands here
         condition = classify_reported_wave(self._wave, wave)
         return self._apply(TRANSITIONS[WaveEvent.REPORTED_WAVE, condition], wave, rank, None)
 

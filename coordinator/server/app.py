@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
+import gc
 import logging
 import os
 import random
@@ -82,6 +85,25 @@ class FrontendPeer:
 class InFlight:
     rank: int
     frontend: bytes
+
+
+def _load_malloc_trim() -> Callable[[int], int] | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim: Callable[[int], int] = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None  # not glibc
+    return trim
+
+
+_malloc_trim = _load_malloc_trim()
+
+
+def release_free_memory() -> None:
+    """Give memory freed after a burst back to the OS (glibc keeps it otherwise:
+    a backlog of stats messages can leave the process at twice its working size)."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
 
 
 def free_tcp_ports(host: str, count: int) -> list[int]:
@@ -283,6 +305,10 @@ class CoordinatorServer:
     async def serve(self, stop: asyncio.Event) -> None:
         """Run until `stop` is set. Call `bind()` first."""
         self._serving = True
+        # Everything allocated so far lives for the whole process: keep it out of the
+        # collector's way, or each full collection costs milliseconds on the wake path.
+        gc.collect()
+        gc.freeze()
         if self._state_dirty:
             self.save_state()
         self._push_observed(self.clock(), force=True)
@@ -549,10 +575,12 @@ class CoordinatorServer:
             )
             if not was_changed and self.loads.changed:
                 self._stats_dirty.set()
-            self._apply_wave_actions(
-                self.waves.on_reported_wave(rank, stats.current_wave),
-                cause=f"stats from rank {rank} report wave {stats.current_wave}", rank=rank,
-            )
+            reported = self.waves.on_reported_wave(rank, stats.current_wave)
+            if reported:
+                self._apply_wave_actions(
+                    reported, cause=f"stats from rank {rank} report wave {stats.current_wave}",
+                    rank=rank,
+                )
 
     def _apply_wave_actions(
         self, actions: Sequence[WaveAction], *, cause: str, rank: int | None,
@@ -580,12 +608,11 @@ class CoordinatorServer:
                 )
                 self.counters["publish.wave"] += 1
                 self.timeline.observe(action.wave, action.running, now)
-                self.watchdog.observe_group(
-                    running=action.running, wave=action.wave, ranks=self._rank_range(), now=now
-                )
+                # The watchdog learns of the change at its next tick (O(ranks) work
+                # stays off the wake path); the recorder and /debug/waves have it now.
                 self._record(KIND_WAVE, cause, rank=rank)
-                log.info("wave %d %s (%s)", action.wave,
-                         "running" if action.running else "paused", cause)
+                log.debug("wave %d %s (%s)", action.wave,
+                          "running" if action.running else "paused", cause)
             for listener in self._wave_listeners:
                 listener(action)
         if actions:
@@ -802,7 +829,7 @@ class CoordinatorServer:
                 refuse(fp.ERR_UNKNOWN_RANK, f"dp_rank={msg.dp_rank} is outside "
                        f"{self.config.rank_start}..{last}")
                 return
-            if msg.dp_rank not in self.membership.dispatchable(now=self.clock()):
+            if msg.dp_rank not in self.membership.dispatchable():
                 lease = self.membership.lease(msg.dp_rank)
                 state = lease.state.value if lease else "not registered"
                 refuse(fp.ERR_RANK_NOT_READY, f"dp_rank={msg.dp_rank} cannot take requests "
@@ -837,7 +864,9 @@ class CoordinatorServer:
         """Send ADD to the rank the policy picks; if its connection is not there (an
         engine reconnecting after a restart, or one that just died), pick again among
         the others. Returns the rank, None if none is ready, or why all sends failed."""
-        candidates = self.membership.dispatchable(now=self.clock())
+        # Leases past their TTL are buried by the lease timer; one not yet buried
+        # fails the send below and the next best is tried.
+        candidates = self.membership.dispatchable()
         tried: list[int] = []
         while candidates:
             chosen = self.policy.pick(self.loads, candidates)
@@ -1061,9 +1090,13 @@ class CoordinatorServer:
     # ---- watchdog and observability -----------------------------------------
 
     async def _observe_loop(self) -> None:
+        ticks = 0
         while True:
             await asyncio.sleep(0.25)
             self._guarded("observe timer", self.observe_tick, self.clock())
+            ticks += 1
+            if ticks % 4 == 0:
+                release_free_memory()
 
     def observe_tick(self, now: float) -> None:
         self._apply_wave_actions(self.waves.on_timer(now), cause="unanswered wake retried",

@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -162,6 +163,9 @@ def test_restarted_engine_takes_its_rank_back_as_soon_as_the_old_one_is_gone(
                           engine_ids={0: "engine-a", 1: "engine-x"})
     for engine in old:
         engine.close_handshake()  # as engines do after READY
+    # Let the coordinator see those connections go: until it does, libzmq turns away a
+    # new connection with the same identity (a real restart comes much later than this).
+    time.sleep(0.5)
     # While the old engine lives, a new one for rank 0 is refused with the remedy.
     rival = RawEngine(zmq_ctx, handle.addresses, 0, dp_size=2)
     rival.send_handshake(hello_payload(engine_id="engine-b"))
@@ -175,6 +179,7 @@ def test_restarted_engine_takes_its_rank_back_as_soon_as_the_old_one_is_gone(
     # The old engine dies (its sockets close); the new one is accepted at once,
     # without waiting for the lease to run out.
     old[0].close()
+    time.sleep(0.5)  # as above: the rival's handshake connection must be gone first
     new = RawEngine(zmq_ctx, handle.addresses, 0, dp_size=2)
     new.send_handshake(hello_payload(engine_id="engine-b"))
     init = unpack(new.expect_handshake(5.0))

@@ -273,9 +273,11 @@ class MembershipMachine(RuleBasedStateMachine):
         for rank in self.m.dispatchable(now=self.now):
             lease = by_rank[rank]
             assert lease.state is S.READY and lease.dispatch_connected and alive(lease, self.now)
-        for rank in self.m.dispatchable():
-            lease = by_rank[rank]
-            assert lease.state is S.READY and lease.dispatch_connected
+        # Without `now` the answer is cached between changes: it must equal a fresh one.
+        assert self.m.dispatchable() == [
+            rank for rank in sorted(by_rank)
+            if by_rank[rank].state is S.READY and by_rank[rank].dispatch_connected
+        ]
         assert set(self.m.dispatchable(now=self.now)) <= set(self.m.dispatchable())
 
     @invariant()
