@@ -402,8 +402,8 @@ class WaveState:
         self, chosen: int, stamped_wave: int, *, now: float | None = None
     ) -> list[WaveAction]:
         """Called for every request the coordinator dispatches to engine ``chosen``."""
-        if not self.lockstep:
-            return []
+        if not self.lockstep or self._running:
+            return []  # the RUNNING row, without the lookup: most requests land here
         condition = classify_first_request(
             self._wave, self._running, self.wake_pending(now), stamped_wave
         )

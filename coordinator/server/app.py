@@ -81,7 +81,7 @@ class FrontendPeer:
     input_address: str | None
 
 
-@dataclass
+@dataclass(slots=True)
 class InFlight:
     rank: int
     frontend: bytes
@@ -851,8 +851,9 @@ class CoordinatorServer:
                 return
             chosen = picked
         actions = self.waves.on_first_request(chosen, msg.wave, now=self.clock())
-        self._apply_wave_actions(actions, cause=f"first request {msg.request_id!r}", rank=chosen,
-                                 coordinator_wake=True)
+        if actions:
+            self._apply_wave_actions(actions, cause=f"first request {msg.request_id!r}",
+                                     rank=chosen, coordinator_wake=True)
         self.loads.note_dispatched(chosen)
         self.dispatched_by_rank[chosen] += 1
         self.in_flight[msg.request_id] = InFlight(chosen, identity)
