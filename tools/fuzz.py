@@ -28,14 +28,18 @@ message that the coordinator's own decoders accept as a valid state change
 submit or admin command) is skipped and counted as `skipped_valid`: valid
 input may change state, and the check after fuzzing is that *bad* input did
 not. Every report the decoder accepts is also checked against the protocol's
-bounds independently of the decoder (`findings`).
+bounds independently of the decoder (`findings`). Up an XSUB, a multipart
+message whose first frame starts with 0x00/0x01 reaches the coordinator as two
+messages (libzmq takes the first frame as a subscription), so both are judged.
 
 After each socket's pass: the process is alive, no handler raised
 (`internal_error.*` counters), the wave and membership state equals the
-recorded one (counters and lease ages aside), and the socket's drop or refusal
-counters grew. After all of them, the same engine group runs another wave, is
-replaced by a fresh group (new incarnations on the same ranks) that completes
-the handshake, and that group runs a wave too.
+recorded one (counters and lease ages aside), every socket still reads (one
+known-bad probe per socket must be answered or counted: a reader that stopped
+would pass every other check) and the socket's drop or refusal counters grew.
+After all of them, the same engine group runs another wave, is replaced by a
+fresh group (new incarnations on the same ranks) that completes the handshake,
+and that group runs a wave too.
 
 With `--atheris SECONDS` (only if atheris is installed; it is not a project
 dependency) the handlers are also fuzzed in-process with coverage guidance:
