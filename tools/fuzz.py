@@ -54,6 +54,7 @@ import argparse
 import contextlib
 import copy
 import importlib
+import importlib.util
 import itertools
 import json
 import math
@@ -1090,33 +1091,28 @@ def run_atheris(seconds: float, managed_count: int) -> int:
     ]
     managed = range(0, managed_count)
     corpus = seed_corpus(0, managed_count)
-    deadline = time.monotonic() + seconds
     before = (server.waves.snapshot(), [(lease.rank, lease.state) for lease in
                                         server.membership.leases()])
 
     def one_input(data: bytes) -> None:
-        if time.monotonic() > deadline:
-            raise SystemExit(0)
         provider = atheris.FuzzedDataProvider(data)
         which = provider.ConsumeIntInRange(0, len(handlers) - 1)
         socket = SOCKETS[which]
-        frames: list[bytes] = []
+        ident: bytes | None = None
         if socket in DEALER_SOCKETS:
             ident = provider.ConsumeBytes(provider.ConsumeIntInRange(1, 8)) or b"\x7f"
             if not is_allowed_identity(socket, ident, managed):
                 return
-            frames.append(ident)
+        payload: list[bytes] = []
         if provider.ConsumeBool():
-            name_frames = corpus[socket][provider.ConsumeIntInRange(0, len(corpus[socket]) - 1)]
-            frames += list(name_frames[1])
-            at = provider.ConsumeIntInRange(0, len(frames) - 1)
-            frames[at] = provider.ConsumeBytes(provider.ConsumeIntInRange(0, 64)) + frames[at]
+            _, seed_frames = corpus[socket][provider.ConsumeIntInRange(0, len(corpus[socket]) - 1)]
+            payload += list(seed_frames)
+            at = provider.ConsumeIntInRange(0, len(payload) - 1)
+            payload[at] = provider.ConsumeBytes(provider.ConsumeIntInRange(0, 64)) + payload[at]
         for _ in range(provider.ConsumeIntInRange(0, MAX_FRAMES)):
-            frames.append(provider.ConsumeBytes(provider.ConsumeIntInRange(0, 4096)))
-        if not frames:
-            frames = [b""]
-        message = FuzzMessage(socket, tuple(frames[1:] if socket in DEALER_SOCKETS else frames),
-                              frames[0] if socket in DEALER_SOCKETS else None, "atheris")
+            payload.append(provider.ConsumeBytes(provider.ConsumeIntInRange(0, 4096)))
+        message = FuzzMessage(socket, tuple(payload), ident, "atheris")
+        frames = message.wire_frames() if ident is None else [ident, *message.wire_frames()]
         if classify(message, managed)[0]:
             return
         handlers[which](frames)
@@ -1125,14 +1121,33 @@ def run_atheris(seconds: float, managed_count: int) -> int:
         if after != before:
             raise AssertionError(f"state changed by {message.describe()}: {before} -> {after}")
 
+    artifacts = tempfile.mkdtemp(prefix="dpc-atheris-found-")
+    print(f"atheris: findings (if any) go to {artifacts}", flush=True)
     try:
-        atheris.Setup([sys.argv[0], "-rss_limit_mb=4096"], one_input)
+        # libFuzzer ends the process itself: 0 when the time is up, non-zero on a finding.
+        atheris.Setup([sys.argv[0], "-rss_limit_mb=4096", f"-artifact_prefix={artifacts}/",
+                       f"-max_total_time={max(1, int(seconds))}"], one_input)
         atheris.Fuzz()
-    except SystemExit:
-        pass
     finally:
         server.close()
     return 0
+
+
+def run_atheris_child(seconds: float, engines: int, log: Callable[[str], None]) -> list[str]:
+    """Run the atheris pass in a child process (libFuzzer exits the process it runs in)."""
+    import subprocess
+
+    if importlib.util.find_spec("atheris") is None:
+        log("atheris is not installed (pip install atheris); no in-process pass")
+        return []
+    child = subprocess.run(
+        [sys.executable, "-m", "tools.fuzz", "--atheris-child", str(seconds),
+         "--engines", str(engines)],
+        capture_output=True, text=True, timeout=seconds + 120, check=False,
+    )
+    tail = (child.stdout + child.stderr).strip().splitlines()[-12:]
+    log("atheris: " + "\n    ".join(line for line in tail if "dropped bad input" not in line))
+    return [] if child.returncode == 0 else [f"atheris pass exit code {child.returncode}"]
 
 
 # ---------------------------------------------------------------- command line
@@ -1178,7 +1193,7 @@ def run(seconds: float, *, engines: int = 2, seed: int | None = None,
         if code != 0:
             failures.append(f"coordinator exit code {code}:\n{handle.stderr_text()[-3000:]}")
     if atheris_seconds > 0:
-        run_atheris(atheris_seconds, engines)
+        failures += run_atheris_child(atheris_seconds, engines, log)
     for failure in failures:
         log(f"FAIL {failure}")
     log("fuzz: OK" if not failures else f"fuzz: {len(failures)} problem(s)")
@@ -1197,7 +1212,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=None, help="hypothesis seed (repeatable)")
     parser.add_argument("--atheris", type=float, default=0.0, metavar="SECONDS",
                         help="also run the in-process atheris pass this long (if installed)")
+    parser.add_argument("--atheris-child", type=float, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.atheris_child is not None:
+        return run_atheris(args.atheris_child, args.engines)
     with contextlib.suppress(KeyboardInterrupt):
         return run(args.seconds, engines=args.engines, seed=args.seed,
                    atheris_seconds=args.atheris)
