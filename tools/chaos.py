@@ -1109,6 +1109,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "'--watchdog-rewake --watchdog-stall-s 1'")
     parser.add_argument("--json", default=None, help="also write the tallies as JSON here")
     args = parser.parse_args(argv)
+    # A SIGTERM (e.g. from `timeout`) unwinds like an exception, so every child
+    # process this run started is still killed in its `finally`.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     if args.schedule:
         config = ChaosConfig(schedule=[s.strip() for s in args.schedule.split(",") if s.strip()],
                              seed=args.seed, interval_s=args.interval)

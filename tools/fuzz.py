@@ -59,6 +59,7 @@ import itertools
 import json
 import math
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -1214,6 +1215,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="also run the in-process atheris pass this long (if installed)")
     parser.add_argument("--atheris-child", type=float, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    # A SIGTERM (e.g. from `timeout`) unwinds like an exception, so every child
+    # process this run started is still killed in its `finally`.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     if args.atheris_child is not None:
         return run_atheris(args.atheris_child, args.engines)
     with contextlib.suppress(KeyboardInterrupt):
