@@ -327,21 +327,6 @@ class ChaosLoad(LoadGenerator):
 # finding carries one of these codes when its cause is recognised; anything else
 # is a new failure. See each text for the reproduction and the suggested fix.
 KNOWN_ISSUES: dict[str, str] = {
-    "stale_running_wave": (
-        "after the whole engine group is replaced in the middle of a wave, the coordinator "
-        "still believes that wave is running: it neither wakes the fresh group (all paused "
-        "at wave 0) on the next request nor relays the chosen engine's start_wave (same "
-        "wave, 'already running'), so ranks that get no request never step and their "
-        "peers' first collective hangs; it repeats for every later group until a "
-        "wave_complete arrives, which a hung group never sends"
-    ),
-    "deaf_socket": (
-        "a coordinator socket stops reading after another task sent on it: FrameReader waits "
-        "for an edge on the ZMQ FD, and a send on the same socket from another task "
-        "(RequestsFailed notices that the lease timer or the handshake handler send on "
-        "`frontend`) can consume that edge; every frontend call then times out while the "
-        "process is alive and publishing"
-    ),
     "restart_forgets_in_flight": (
         "a restarted coordinator has no routing entry for requests dispatched before the "
         "restart, so when their rank dies nobody sends RequestsFailed for them"

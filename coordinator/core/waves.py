@@ -61,6 +61,13 @@ Why a pending wake expires
     engine reports within milliseconds, which clears the pending wake, and
     there is still exactly one wake per wave.
 
+A rank that dies or is replaced
+    The wave a group is stepping in cannot finish once one of its ranks is
+    gone, and a replacement starts idle at wave 0. ``on_group_changed`` marks
+    the group paused at the current wave (published) and forgets any pending
+    wake, so the next request wakes everyone and the new engines' reports are
+    relayed instead of being taken for news about a wave already running.
+
 A wake nobody answers
     If a wake expires and still no engine has reported the wave, the chosen
     engine may have dropped its request while some peers lost the wake, which
@@ -131,6 +138,7 @@ class WaveEvent(enum.Enum):
     FIRST_REQUEST = "first_request"
     REPORTED_WAVE = "reported_wave"
     TIMER = "timer"
+    GROUP_CHANGED = "group_changed"
 
 
 class WaveCondition(enum.Enum):
@@ -150,6 +158,8 @@ class WaveCondition(enum.Enum):
     WAKE_SENT = "wake_sent"  # paused, live wake, stamp not newer than current
     PAUSED = "paused"  # paused, no live wake, stamp not newer than current
     PAUSED_NEWER_STAMP = "paused_newer_stamp"  # paused, stamp newer than current
+    GROUP_RUNNING = "group_running"  # group_changed while running
+    GROUP_PAUSED = "group_paused"  # group_changed while paused
     NOTHING_DUE = "nothing_due"  # timer: no unanswered coordinator wake to retry
     WAKE_UNANSWERED = "wake_unanswered"  # timer: our wake expired, no engine reported, once
 
@@ -237,6 +247,24 @@ TRANSITIONS: Mapping[tuple[WaveEvent, WaveCondition], Transition] = {
         wake=WakeUpdate.MARK_CURRENT,
         broadcast=Exclude.NOBODY,
         publish=True,
+    ),
+    # A rank died or was replaced: the wave it was stepping in can no longer finish
+    # as it was (its replacement starts idle at wave 0), so the group counts as
+    # paused at the current wave; the next request or engine report wakes everyone,
+    # and a wake still pending was meant for the old group.
+    (_E.GROUP_CHANGED, _C.GROUP_RUNNING): Transition(
+        running=False,
+        wave=WaveUpdate.KEEP,
+        wake=WakeUpdate.CLEAR,
+        broadcast=None,
+        publish=True,
+    ),
+    (_E.GROUP_CHANGED, _C.GROUP_PAUSED): Transition(
+        running=None,
+        wave=WaveUpdate.KEEP,
+        wake=WakeUpdate.CLEAR,
+        broadcast=None,
+        publish=False,
     ),
     (_E.TIMER, _C.NOTHING_DUE): _IGNORE,
     # Our wake expired and no engine said the wave started: some engine may have
@@ -410,6 +438,13 @@ class WaveState:
         return self._apply(
             TRANSITIONS[WaveEvent.FIRST_REQUEST, condition], stamped_wave, chosen, now
         )
+
+    def on_group_changed(self) -> list[WaveAction]:
+        """A rank left the group or a new incarnation took it over."""
+        if not self.lockstep:
+            return []
+        condition = WaveCondition.GROUP_RUNNING if self._running else WaveCondition.GROUP_PAUSED
+        return self._apply(TRANSITIONS[WaveEvent.GROUP_CHANGED, condition], self._wave, -1, None)
 
     def on_timer(self, now: float) -> list[WaveAction]:
         """Called periodically: retries, once per wave, a wake nobody answered."""

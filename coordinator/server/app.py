@@ -172,6 +172,7 @@ class CoordinatorServer:
         self._state_dirty = False
         self._serving = False
         self._held_wake: list[bytes] | None = None
+        self._readers: dict[str, FrameReader] = {}
         self._last_http_update = 0.0
         self._http_push_scheduled = False
         self._row_width = 2 if config.vllm_compat == "legacy" else 3
@@ -200,7 +201,9 @@ class CoordinatorServer:
             # No ROUTER_HANDOVER here: it would cut off an engine mid-handshake whenever a
             # second process claims its rank, losing the first one's READY. The second is
             # then refused by libzmq itself, silently (see docs/vllm.md).
-            ("handshake", zmq.ROUTER, [(zmq.ROUTER_MANDATORY, 1)]),
+            # Heartbeats drop a half-open tcp connection (a host that died mid-handshake)
+            # that would otherwise keep the rank's identity and turn its restart away.
+            ("handshake", zmq.ROUTER, [(zmq.ROUTER_MANDATORY, 1), *self._heartbeat_options()]),
             ("dispatch", zmq.ROUTER, [(zmq.ROUTER_MANDATORY, 1), (zmq.ROUTER_HANDOVER, 1),
                                       (zmq.SNDHWM, 0), *self._heartbeat_options()]),
             ("back_output", zmq.PULL, [(zmq.RCVHWM, 0)]),
@@ -320,14 +323,12 @@ class CoordinatorServer:
             "front_publish": self.on_front_upstream,
             "frontend": self.on_frontend,
         }
-        tasks = [
-            asyncio.ensure_future(
-                FrameReader(
-                    self._sockets[key], handler, name=key, on_error=self._handler_failed
-                ).run()
-            )
+        self._readers = {
+            key: FrameReader(self._sockets[key], handler, name=key,
+                             on_error=self._handler_failed)
             for key, handler in handlers.items()
-        ]
+        }
+        tasks = [asyncio.ensure_future(reader.run()) for reader in self._readers.values()]
         tasks.append(asyncio.ensure_future(self._publish_loop()))
         tasks.append(asyncio.ensure_future(self._lease_loop()))
         tasks.append(asyncio.ensure_future(self._observe_loop()))
@@ -410,7 +411,9 @@ class CoordinatorServer:
         self.counters[f"refused.handshake.{reason}"] += 1
         rank = int.from_bytes(identity, "little") if len(identity) == 2 else None
         self._record(KIND_REFUSAL, reason, rank=rank, identity=identity.hex(), message=message)
-        self._ratelog.log(logging.ERROR, f"refuse:{reason}:{identity!r}",
+        # One line per reason per interval (with a count of the rest): a flood of
+        # bad peers, each with its own identity, must not flood the log too.
+        self._ratelog.log(logging.ERROR, f"refuse:{reason}",
                           "refused engine %r: %s", identity, message)
         self._handshake_error(identity, message)
 
@@ -465,6 +468,9 @@ class CoordinatorServer:
                         lease.rank, lease.engine_id, result.replaced.engine_id,
                         result.replaced.state.value)
             self._fail_rank_requests(lease.rank, "the engine was replaced by a new incarnation")
+            self._apply_wave_actions(self.waves.on_group_changed(),
+                                     cause=f"dp_rank={lease.rank} has a new incarnation",
+                                     rank=lease.rank)
 
     def _send_init(self, rank: int, identity: bytes) -> None:
         meta = vllm.EngineHandshakeMetadata(
@@ -948,6 +954,9 @@ class CoordinatorServer:
         if change.new in (RankState.DEAD, None):
             self.counters["lease.dead"] += 1
             self._fail_rank_requests(change.rank, change.cause)
+            self._apply_wave_actions(self.waves.on_group_changed(),
+                                     cause=f"dp_rank={change.rank} left: {change.cause}",
+                                     rank=change.rank)
             if self.config.lockstep:
                 log.error("dp_rank=%d is gone (%s): in lockstep mode the group cannot finish "
                           "a wave until it is back", change.rank, change.cause)
@@ -1100,6 +1109,8 @@ class CoordinatorServer:
                 release_free_memory()
 
     def observe_tick(self, now: float) -> None:
+        for reader in self._readers.values():
+            reader.poke()  # a safety net for any edge lost some other way
         self._apply_wave_actions(self.waves.on_timer(now), cause="unanswered wake retried",
                                  rank=None)
         wave, running = self.waves.snapshot()
@@ -1227,6 +1238,8 @@ class CoordinatorServer:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
             self.counters[f"send_dropped.{key}.unreachable"] += 1
+        finally:
+            self._poke(key)
         if quiet:
             return False
         self._ratelog.log(logging.WARNING, f"send:{key}:{identity!r}",
@@ -1235,6 +1248,14 @@ class CoordinatorServer:
 
     def _send_pub(self, key: str, frames: Sequence[bytes]) -> None:
         self._sockets[key].send_multipart(list(frames), zmq.NOBLOCK)
+        self._poke(key)
+
+    def _poke(self, key: str) -> None:
+        # A send can swallow the read edge of a message that arrived meanwhile
+        # (see FrameReader): have the socket's reader look again.
+        reader = self._readers.get(key)
+        if reader is not None:
+            reader.poke()
 
     # ---- state for tools ----------------------------------------------------
 

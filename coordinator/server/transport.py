@@ -91,6 +91,11 @@ class FrameReader:
     The ZMQ FD only signals "something may have changed"; after it fires we drain
     with NOBLOCK until EAGAIN or a full batch, then yield to the loop so that one
     busy socket cannot starve the others or the publish timer.
+
+    The FD is edge-triggered and every operation on the socket consumes edges, a
+    send included: a send from another task while this reader sleeps can swallow
+    the edge of a message that arrived meanwhile, and the reader would never wake.
+    Whoever sends on a read socket must therefore call `poke()` afterwards.
     """
 
     def __init__(
@@ -110,6 +115,10 @@ class FrameReader:
         self._readable = asyncio.Event()
         self._fd = int(sock.getsockopt(zmq.FD))
         self._loop: asyncio.AbstractEventLoop | None = None
+
+    def poke(self) -> None:
+        """Make the reader look at the socket again (after a send on it elsewhere)."""
+        self._readable.set()
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()

@@ -503,6 +503,9 @@ async def test_watchdog_quiet_when_healthy_fires_on_a_planted_hang(
         assert alert["for_s"] >= STALL_S
         assert state["running"] is True
         counters = await watchdog_counters(http)
+        # A rank that ignores wakes also stays at an older wave: a wave split may be
+        # reported beside the stall, and is right to be.
+        counters.pop("watchdog.wave_split", None)
         assert counters == ({"watchdog.no_progress": 1, "watchdog.rewakes": 1} if rewake
                             else {"watchdog.no_progress": 1})
         hung = await http.metrics()

@@ -71,7 +71,12 @@ class MembershipMachine(RuleBasedStateMachine):
 
     def state(self) -> dict[str, Any]:
         """Everything the membership holds, copied (cheaper than deepcopy, same result)."""
-        return {name: snapshot(value) for name, value in vars(self.m).items()}
+        # `_dispatchable` is a cache of a derived answer, not state a refusal could change.
+        return {
+            name: snapshot(value)
+            for name, value in vars(self.m).items()
+            if name != "_dispatchable"
+        }
 
     def in_range(self, rank: int) -> bool:
         return self.m.rank_start <= rank < self.m.rank_start + self.m.rank_count

@@ -63,6 +63,8 @@ def test_table_has_one_row_per_reachable_condition() -> None:
         (WaveEvent.REPORTED_WAVE, WaveCondition.CURRENT),
         (WaveEvent.REPORTED_WAVE, WaveCondition.NEWER),
         (WaveEvent.TIMER, WaveCondition.NOTHING_DUE),
+        (WaveEvent.GROUP_CHANGED, WaveCondition.GROUP_RUNNING),
+        (WaveEvent.GROUP_CHANGED, WaveCondition.GROUP_PAUSED),
         (WaveEvent.TIMER, WaveCondition.WAKE_UNANSWERED),
     }
     assert set(TRANSITIONS) == expected
@@ -525,3 +527,40 @@ def test_classify_timer(
     expected: WaveCondition,
 ) -> None:
     assert classify_timer(3, running, pending, live, retried) is expected
+
+
+# ---- a rank died or was replaced ----------------------------------------------------
+
+
+def test_group_change_while_running_pauses_at_the_current_wave() -> None:
+    state = WaveState(wave=6, running=True)
+    assert state.on_group_changed() == [PublishWave(6, False)]
+    assert state.snapshot() == (6, False)
+
+
+def test_replaced_group_is_woken_and_its_start_relayed() -> None:
+    """The whole group was replaced mid-wave: new engines must not be left idle."""
+    state = WaveState(wave=6, running=True)
+    state.on_group_changed()
+    assert state.on_first_request(2, 6, now=0.0) == [BroadcastStartWave(6, None)]
+    # A fresh engine that adopted the stamp reports the start: the group runs.
+    assert state.on_start_wave(2, 6, now=0.01) == [PublishWave(6, True)]
+
+
+def test_replaced_group_report_is_relayed_when_no_request_went_through_us() -> None:
+    state = WaveState(wave=6, running=True)
+    state.on_group_changed()
+    assert state.on_start_wave(1, 6) == [BroadcastStartWave(6, 1), PublishWave(6, True)]
+
+
+def test_group_change_while_paused_forgets_a_pending_wake() -> None:
+    state = WaveState(wave=2)
+    state.on_first_request(0, 2, now=0.0)
+    assert state.on_group_changed() == []
+    assert state.wake_pending_for is None
+    assert state.on_first_request(1, 2, now=0.1) == [BroadcastStartWave(2, None)]
+
+
+def test_group_change_in_dense_mode_does_nothing() -> None:
+    state = WaveState(lockstep=False)
+    assert state.on_group_changed() == []
