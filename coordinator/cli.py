@@ -6,6 +6,7 @@ Subcommands:
   status  print the state of a running coordinator once, or keep it live
   top     live terminal view of ranks, loads, wave, rates and the watchdog
   keygen  write a CURVE key pair
+  cordon, uncordon, drain   operator commands on one rank
 """
 
 from __future__ import annotations
@@ -176,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_status_parser(sub)
     add_top_parser(sub)
     add_keygen_parser(sub)
+    from coordinator.admin import add_admin_parsers
+
+    add_admin_parsers(sub)
     return parser
 
 
@@ -253,5 +257,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from coordinator.security import run_keygen
 
         return run_keygen(args)
+    if args.command in ("cordon", "uncordon", "drain"):
+        from coordinator.admin import run_admin
+
+        return run_admin(args)
     parser.print_help(sys.stderr)
     return 2

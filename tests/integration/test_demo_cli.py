@@ -89,6 +89,36 @@ def test_demo_runs_end_to_end_and_loses_nothing(tmp_path: Path) -> None:
     assert len(data["engines"]) == 2 and all(not e["hangs"] for e in data["engines"])
 
 
+def test_thousands_of_requests_finish_exactly_once_and_every_wave_ends(
+    tmp_path: Path,
+) -> None:
+    """A full simulated run: four lockstep engines with a real per-step collective."""
+    summary_file = tmp_path / "summary.json"
+    result = run_bounded(
+        [sys.executable, "-m", "coordinator", "demo", "--duration", "8", "--rate", "400",
+         "--no-live", "--engines", "4", "--frontends", "2", "--seed", "11",
+         "--json", str(summary_file)],
+        DEMO_TIMEOUT,
+    )
+    report = f"stdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-4000:]}"
+    assert result.returncode == 0, report
+    data = json.loads(summary_file.read_text())
+    summary = data["summary"]
+    assert summary["submitted"] >= 2000, report
+    # Every request finished, and the coordinator's routing table holds none of them:
+    # each finish was reported once (a second report would find no entry to free).
+    assert summary["completed"] == summary["submitted"], report
+    assert summary["lost"] == 0 and summary["failed"] == 0 and summary["stalls"] == 0
+    assert data["hang_detected"] is False
+    assert all(not engine["hangs"] for engine in data["engines"])
+    # Bursts with quiet gaps: several waves, and the last one ended.
+    assert summary["waves_completed"] >= 3
+    assert summary["wakes"] >= 3
+    counters = data["coordinator_counters"]
+    assert counters.get("submit.dispatched") == summary["submitted"]
+    assert not any(key.startswith("internal_error") for key in counters)
+
+
 def test_demo_dense_mode_over_tcp(tmp_path: Path) -> None:
     summary_file = tmp_path / "summary.json"
     result = run_bounded(

@@ -1,0 +1,151 @@
+"""`dp-coordinator cordon | uncordon | drain RANK`: operator commands on one rank.
+
+cordon    the rank stays in the wave but gets no new requests
+uncordon  it takes requests again
+drain     like cordon, and (with --wait) waits until its last request finished
+
+They go over the coordinator's frontend socket as the protocol's `admin` message;
+the coordinator answers with the rank's new state or says why it refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+
+import zmq
+
+from coordinator.engine import CurveClientKeys
+from coordinator.protocol import frontend as fp
+from coordinator.protocol.errors import ProtocolError
+from coordinator.status import StatusError, read_address_file
+
+EXIT_OK = 0
+EXIT_REFUSED = 1
+EXIT_ERROR = 2
+
+
+class AdminClient:
+    """A DEALER to the frontend socket for admin calls and drain notices."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        curve_secret_key: str | None = None,
+        curve_server_key: str | None = None,
+    ) -> None:
+        self.address = address
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        if address.startswith("tcp://["):
+            self._sock.setsockopt(zmq.IPV6, 1)
+        keys = CurveClientKeys.from_options(curve_secret_key, curve_server_key)
+        if keys is not None:
+            keys.apply(self._sock, address)
+        self._sock.connect(address)
+        self._call_ids = itertools.count(1)
+
+    def _replies(self, deadline: float) -> fp.FrontendReply | None:
+        remaining_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
+        if remaining_ms <= 0 or not self._sock.poll(remaining_ms, zmq.POLLIN):
+            return None
+        frames = self._sock.recv_multipart()
+        if len(frames) != 1:
+            return None
+        try:
+            return fp.decode_reply(frames[0])
+        except ProtocolError:
+            return None
+
+    def command(self, command: fp.AdminCommand, rank: int, timeout_s: float) -> fp.AdminDone:
+        call_id = next(self._call_ids)
+        self._sock.send(fp.encode(fp.Admin(call_id, command, rank)), zmq.NOBLOCK)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            reply = self._replies(deadline)
+            if isinstance(reply, fp.AdminDone) and reply.call_id == call_id:
+                return reply
+            if isinstance(reply, fp.ErrorReply) and reply.call_id == call_id:
+                raise AdminRefused(reply.message)
+        raise StatusError(f"no answer from the coordinator at {self.address} within "
+                          f"{timeout_s} s (is it running? is the address file current?)")
+
+    def in_flight(self, rank: int, timeout_s: float) -> int:
+        call_id = next(self._call_ids)
+        self._sock.send(fp.encode(fp.QueryState(call_id)), zmq.NOBLOCK)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            reply = self._replies(deadline)
+            if isinstance(reply, fp.StateReply) and reply.call_id == call_id:
+                for engine in reply.state.engines:
+                    if engine.rank == rank:
+                        return engine.in_flight
+                return 0
+        raise StatusError(f"no answer from the coordinator at {self.address}")
+
+    def close(self) -> None:
+        self._sock.close(0)
+        self._ctx.term()
+
+
+class AdminRefused(RuntimeError):
+    """The coordinator refused the command; the message says why."""
+
+
+def add_admin_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    helps = {
+        "cordon": "stop sending new requests to a rank (it stays in the wave)",
+        "uncordon": "let a cordoned or draining rank take requests again",
+        "drain": "cordon a rank and report when its last request finished",
+    }
+    for command, text in helps.items():
+        p = sub.add_parser(command, help=text, description=text[0].upper() + text[1:] + ".")
+        p.add_argument("rank", type=int, help="the global DP rank")
+        p.add_argument("--addr-file", required=True, metavar="F",
+                       help="the coordinator's address file")
+        p.add_argument("--timeout", type=float, default=5.0,
+                       help="seconds to wait for the coordinator's answer (default 5)")
+        if command == "drain":
+            p.add_argument("--wait", type=float, default=None, metavar="S",
+                           help="wait up to S seconds until the rank has no request in "
+                           "flight; exit 1 if it still has some")
+        from coordinator.cli import add_curve_client_arguments
+
+        add_curve_client_arguments(p)
+
+
+def run_admin(args: argparse.Namespace) -> int:
+    command: fp.AdminCommand = args.command
+    try:
+        address = read_address_file(args.addr_file)
+        client = AdminClient(address, curve_secret_key=args.curve_secret_key,
+                             curve_server_key=args.curve_server_key)
+    except (StatusError, ValueError) as exc:
+        print(f"dp-coordinator {command}: {exc}", file=sys.stderr, flush=True)
+        return EXIT_ERROR
+    try:
+        done = client.command(command, args.rank, args.timeout)
+        print(f"dp_rank={done.rank} is now {done.state}", flush=True)
+        wait = getattr(args, "wait", None)
+        if command == "drain" and wait is not None:
+            deadline = time.monotonic() + wait
+            while (left := client.in_flight(args.rank, args.timeout)) > 0:
+                if time.monotonic() >= deadline:
+                    print(f"dp_rank={args.rank} still has {left} requests in flight after "
+                          f"{wait} s", file=sys.stderr, flush=True)
+                    return EXIT_REFUSED
+                time.sleep(0.2)
+            print(f"dp_rank={args.rank} drained: no requests in flight", flush=True)
+        return EXIT_OK
+    except AdminRefused as exc:
+        print(f"dp-coordinator {command}: refused: {exc}", file=sys.stderr, flush=True)
+        return EXIT_REFUSED
+    except StatusError as exc:
+        print(f"dp-coordinator {command}: {exc}", file=sys.stderr, flush=True)
+        return EXIT_ERROR
+    finally:
+        client.close()
