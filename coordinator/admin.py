@@ -11,45 +11,24 @@ the coordinator answers with the rank's new state or says why it refused.
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 import time
 
 import zmq
 
-from coordinator.engine import CurveClientKeys
 from coordinator.protocol import frontend as fp
 from coordinator.protocol.errors import ProtocolError
-from coordinator.status import StatusError, read_address_file
+from coordinator.status import StateQuery, StatusError, read_address_file
 
 EXIT_OK = 0
 EXIT_REFUSED = 1
 EXIT_ERROR = 2
 
 
-class AdminClient:
-    """A DEALER to the frontend socket for admin calls and drain notices."""
+class AdminClient(StateQuery):
+    """The state query's DEALER, also sending admin commands."""
 
-    def __init__(
-        self,
-        address: str,
-        *,
-        curve_secret_key: str | None = None,
-        curve_server_key: str | None = None,
-    ) -> None:
-        self.address = address
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        if address.startswith("tcp://["):
-            self._sock.setsockopt(zmq.IPV6, 1)
-        keys = CurveClientKeys.from_options(curve_secret_key, curve_server_key)
-        if keys is not None:
-            keys.apply(self._sock, address)
-        self._sock.connect(address)
-        self._call_ids = itertools.count(1)
-
-    def _replies(self, deadline: float) -> fp.FrontendReply | None:
+    def _next_reply(self, deadline: float) -> fp.FrontendReply | None:
         remaining_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
         if remaining_ms <= 0 or not self._sock.poll(remaining_ms, zmq.POLLIN):
             return None
@@ -66,30 +45,18 @@ class AdminClient:
         self._sock.send(fp.encode(fp.Admin(call_id, command, rank)), zmq.NOBLOCK)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            reply = self._replies(deadline)
+            reply = self._next_reply(deadline)
             if isinstance(reply, fp.AdminDone) and reply.call_id == call_id:
                 return reply
             if isinstance(reply, fp.ErrorReply) and reply.call_id == call_id:
                 raise AdminRefused(reply.message)
-        raise StatusError(f"no answer from the coordinator at {self.address} within "
-                          f"{timeout_s} s (is it running? is the address file current?)")
+        raise StatusError(self._silent(timeout_s))
 
     def in_flight(self, rank: int, timeout_s: float) -> int:
-        call_id = next(self._call_ids)
-        self._sock.send(fp.encode(fp.QueryState(call_id)), zmq.NOBLOCK)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            reply = self._replies(deadline)
-            if isinstance(reply, fp.StateReply) and reply.call_id == call_id:
-                for engine in reply.state.engines:
-                    if engine.rank == rank:
-                        return engine.in_flight
-                return 0
-        raise StatusError(f"no answer from the coordinator at {self.address}")
-
-    def close(self) -> None:
-        self._sock.close(0)
-        self._ctx.term()
+        for engine in self.query(timeout_s).engines:
+            if engine.rank == rank:
+                return engine.in_flight
+        return 0
 
 
 class AdminRefused(RuntimeError):
