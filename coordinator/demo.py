@@ -40,7 +40,7 @@ from rich.table import Table
 from rich.text import Text
 
 from coordinator.frontend import FrontendError
-from coordinator.launch import CoordinatorHandle, LaunchError, launch
+from coordinator.launch import CoordinatorHandle, LaunchError, launch, stop_process
 from coordinator.loadgen import LoadConfig, LoadGenerator, LoadSummary
 from coordinator.protocol import frontend as fp
 
@@ -124,14 +124,7 @@ class SimProcess:
         return self.process.poll() is None
 
     def stop(self, timeout: float = 5.0) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout)
-        return int(self.process.returncode)
+        return stop_process(self.process, timeout)
 
     def reports(self) -> list[dict[str, Any]]:
         reports: list[dict[str, Any]] = []

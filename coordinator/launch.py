@@ -24,6 +24,18 @@ from dataclasses import dataclass, field
 from coordinator.server.transport import SOCKET_KEYS
 
 
+def stop_process(process: subprocess.Popen[bytes], timeout: float = 5.0) -> int:
+    """SIGTERM, wait up to `timeout`, then SIGKILL; returns the exit code."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout)
+    return int(process.returncode)
+
+
 class LaunchError(RuntimeError):
     """The coordinator process did not come up."""
 
@@ -54,20 +66,13 @@ class CoordinatorHandle:
 
     def shutdown(self, timeout: float = 5.0) -> int:
         """SIGTERM, wait up to `timeout`, then SIGKILL; returns the exit code."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout)
+        code = stop_process(self.process, timeout)
         if self._tmpdir is not None:
             import shutil
 
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
-        code = self.process.returncode
-        return int(code) if code is not None else -1
+        return code
 
     def __enter__(self) -> CoordinatorHandle:
         return self

@@ -158,7 +158,6 @@ class CoordinatorServer:
         self._stats_dirty = asyncio.Event()
         self._ratelog = RateLimitedLog(log, interval_s=config.log_interval_s, clock=clock)
         self._parallel_config: dict[str, int | str | list[int]] = {}
-        self._wave_listeners: list[Callable[[WaveAction], None]] = []
         self._publish_requested = False
         self._inits_sent = False
         now = clock()
@@ -619,8 +618,6 @@ class CoordinatorServer:
                 self._record(KIND_WAVE, cause, rank=rank)
                 log.debug("wave %d %s (%s)", action.wave,
                           "running" if action.running else "paused", cause)
-            for listener in self._wave_listeners:
-                listener(action)
         if actions:
             self._state_changed()
             self._push_observed(now)
@@ -722,9 +719,6 @@ class CoordinatorServer:
             self._on_rank_changed(change)
         self.loads.resize(self.config.rank_start + count)
         self.config.engines = count
-        self.loads_changed()
-
-    def loads_changed(self) -> None:
         self._stats_dirty.set()
 
     # ---- frontend ROUTER (this project's protocol) --------------------------
