@@ -12,17 +12,10 @@ from pathlib import Path
 import pytest
 import zmq
 
-from coordinator.security import (
-    CurveServer,
-    add_curve_arguments,
-    add_keygen_parser,
-    configure_client_socket,
-    generate_keypair,
-    load_client_keys,
-    load_public_key,
-    load_secret_key,
-    run_keygen,
-)
+from coordinator._zmq import configure_client_socket, load_public_key, load_secret_key
+from coordinator.cli.keygen import add_keygen_parser, generate_keypair, run_keygen
+from coordinator.cli.serve import add_curve_arguments
+from coordinator.server.curve import CurveServer, load_client_keys
 
 pytestmark = pytest.mark.timeout(30)
 
