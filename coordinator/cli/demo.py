@@ -43,7 +43,6 @@ from coordinator.frontend import FrontendError
 from coordinator.launch import CoordinatorHandle, LaunchError, launch, stop_process
 from coordinator.loadgen import LoadConfig, LoadGenerator, LoadSummary
 from coordinator.protocol import frontend as fp
-from coordinator.sim.cli import EXIT_HANG as SIM_EXIT_HANG
 
 EXIT_OK = 0
 EXIT_UNHEALTHY = 1
@@ -56,6 +55,9 @@ EXIT_INTERRUPTED = 130
 DEMO_BURST_ON_S = 1.5
 DEMO_BURST_OFF_S = 1.0
 DEMO_STEPS_MAX = 128
+
+# `python -m coordinator.sim`'s exit status when an engine died of a collective hang.
+SIM_EXIT_HANG = 3
 
 
 @dataclass

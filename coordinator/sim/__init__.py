@@ -50,17 +50,42 @@ Modules: `request` (the ADD payload), `collective` (the hub and its clients),
 line). Everything public is importable from `coordinator.sim` itself.
 """
 
-from coordinator.sim.cli import main
-from coordinator.sim.collective import CollectiveClient, CollectiveHang, CollectiveHub
-from coordinator.sim.engine import (
-    HangPolicy,
-    SimConfig,
-    SimCounters,
-    SimEngine,
-    sim_config_hash,
-)
-from coordinator.sim.group import SimEngineGroup
-from coordinator.sim.request import SimRequest, decode_sim_request, encode_sim_request
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from coordinator.sim.cli import main
+    from coordinator.sim.collective import CollectiveClient, CollectiveHang, CollectiveHub
+    from coordinator.sim.engine import (
+        HangPolicy,
+        SimConfig,
+        SimCounters,
+        SimEngine,
+        sim_config_hash,
+    )
+    from coordinator.sim.group import SimEngineGroup
+    from coordinator.sim.request import SimRequest, decode_sim_request, encode_sim_request
+
+# Each public name and the module that defines it. They are imported on first use,
+# so a user of one part (the load generator needs only the request codec) does not
+# load the engine model and the command line with it.
+_HOMES = {
+    "CollectiveClient": "collective",
+    "CollectiveHang": "collective",
+    "CollectiveHub": "collective",
+    "HangPolicy": "engine",
+    "SimConfig": "engine",
+    "SimCounters": "engine",
+    "SimEngine": "engine",
+    "SimEngineGroup": "group",
+    "SimRequest": "request",
+    "decode_sim_request": "request",
+    "encode_sim_request": "request",
+    "main": "cli",
+    "sim_config_hash": "engine",
+}
 
 __all__ = [
     "CollectiveClient",
@@ -77,3 +102,16 @@ __all__ = [
     "main",
     "sim_config_hash",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOMES})
