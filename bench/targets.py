@@ -20,6 +20,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+from coordinator._zmq import die_with_parent_preexec
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEER_KEYS = ("back_output", "back_publish", "front_publish")
 ALL_KEYS = ("handshake", "dispatch", "back_output", "back_publish", "front_publish", "frontend")
@@ -84,21 +86,6 @@ def ours_command(spec: TargetSpec, engines: int, addr_file: str) -> list[str]:
         # No server flag: run the same CLI with uvloop switched off from outside.
         return [sys.executable, "-m", "bench.asyncio_serve", *serve_args]
     return [sys.executable, "-m", "coordinator", *serve_args]
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM if the bench process dies (Linux only).
-
-    A killed or crashed harness must not leave coordinators running behind it.
-    """
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
 
 
 @dataclass
@@ -183,7 +170,7 @@ def start_target(spec: TargetSpec, *, engines: int, mode: str, timeout: float = 
         process = subprocess.Popen(
             argv, shell=isinstance(argv, str), stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=group, env=env,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent_preexec(),
         )
     target = RunningTarget(spec, engines, process, {}, workdir, stderr_path, group)
     deadline = time.monotonic() + timeout

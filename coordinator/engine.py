@@ -38,14 +38,16 @@ frontends own them, and so do ipc connections, which the coordinator never
 encrypts (ipc is guarded by file permissions).
 
 After startup, requests arrive on every input DEALER and, for START_DP_WAVE, on
-the XSUB. They are decoded into small records (`StartDpWave`, `AddRequest`,
-`AbortRequests`, `UtilityCall`) and queued; `recv_request()` takes the next one
-and `get_request_nowait()` drains without waiting. Extra `READY` frames (sent to
+the XSUB. `coordinator.protocol.engine_input` decodes them into small records
+(`StartDpWave`, `AddRequest`, `AbortRequests`, `UtilityCall`), which are
+queued; `recv_request()` takes the next one and `get_request_nowait()` drains
+without waiting. Extra `READY` frames (sent to
 everyone when a late engine subscribes) are skipped. A frame with an unknown type
 byte or an undecodable payload is logged and dropped; a vLLM engine's input
 thread would die on it, this agent keeps going.
 
-Sends never block: the PUSH sockets have no high-water mark (as in vLLM), so
+Sends never block: the PUSH sockets have no high-water mark (as in vLLM; the
+`ENGINE` role of `coordinator._zmq`), so
 every `send_*` method is a plain call. When the agent has sent nothing to the
 coordinator for `heartbeat_interval_s`, it sends an `EngineCoreOutputs` that
 carries only `engine_index` (and the timestamp every vLLM output carries), which
@@ -63,23 +65,28 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import msgspec
 import zmq
 import zmq.asyncio
 
+from coordinator._zmq import ENGINE, CurveClientKeys, connect
+from coordinator.protocol.engine_input import (
+    AbortRequests,
+    AddRequest,
+    InboundRequest,
+    StartDpWave,
+    UtilityCall,
+    parse_engine_input,
+)
 from coordinator.protocol.errors import ProtocolError
 from coordinator.protocol.identity import rank_to_identity
+from coordinator.protocol.version import PROTOCOL_VERSION
 from coordinator.protocol.vllm import (
-    ABORT,
-    ADD,
     ENGINE_CORE_DEAD,
     READY,
-    START_DP_WAVE,
     SUBSCRIBE,
-    UTILITY,
     EngineCoreOutputs,
     EngineHandshakeMetadata,
     EngineReadyResponse,
@@ -88,14 +95,11 @@ from coordinator.protocol.vllm import (
     HandshakeError,
     HandshakeMessage,
     SchedulerStats,
-    decode_abort,
     decode_handshake_reply,
-    decode_start_dp_wave,
     encode_engine_outputs,
     encode_handshake,
     encode_ready_response,
 )
-from coordinator.security import configure_client_socket, load_public_key, load_secret_key
 
 __all__ = [
     "FROM_COORDINATOR",
@@ -113,9 +117,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-#: Sent in HELLO by agents that are not `vllm_shaped`; vLLM engines send none.
-PROTOCOL_VERSION = 1
 
 #: `source` of a request that arrived on the coordinator's publish socket (XSUB).
 FROM_COORDINATOR = -1
@@ -151,179 +152,6 @@ class EngineRefused(EngineStartupError):
         super().__init__(f"coordinator refused {stage}: {reason}")
         self.reason = reason
         self.stage = stage
-
-
-# ---------------------------------------------------------------- inbound requests
-
-
-@dataclass(frozen=True)
-class StartDpWave:
-    """START_DP_WAVE: wave `wave` has started; `exclude` is the rank that started it."""
-
-    TYPE: ClassVar[bytes] = START_DP_WAVE
-    wave: int
-    exclude: int | None
-    source: int
-    frames: tuple[bytes, ...]
-
-
-@dataclass(frozen=True)
-class AddRequest:
-    """ADD: a request; its payload frames are opaque to the agent."""
-
-    TYPE: ClassVar[bytes] = ADD
-    source: int
-    frames: tuple[bytes, ...]
-
-
-@dataclass(frozen=True)
-class AbortRequests:
-    """ABORT: request ids to drop."""
-
-    TYPE: ClassVar[bytes] = ABORT
-    request_ids: list[str]
-    source: int
-    frames: tuple[bytes, ...]
-
-
-@dataclass(frozen=True)
-class UtilityCall:
-    """UTILITY: `[client_index, call_id, method_name, args]` from a frontend."""
-
-    TYPE: ClassVar[bytes] = UTILITY
-    client_index: int
-    call_id: int
-    method: str
-    args: Any
-    source: int
-    frames: tuple[bytes, ...]
-
-
-InboundRequest = StartDpWave | AddRequest | AbortRequests | UtilityCall
-
-_generic_decoder = msgspec.msgpack.Decoder()
-
-
-def _decode_utility(payload: bytes) -> tuple[int, int, str, Any]:
-    try:
-        value = _generic_decoder.decode(payload)
-    except msgspec.DecodeError as exc:
-        raise ProtocolError(f"undecodable UTILITY payload: {exc}", reason="decode") from exc
-    if not isinstance(value, list) or len(value) != 4:
-        raise ProtocolError("UTILITY payload is not a 4-element array", reason="bad_value")
-    client_index, call_id, method, args = value
-    if not isinstance(client_index, int) or isinstance(client_index, bool):
-        raise ProtocolError("UTILITY client_index is not an int", reason="bad_value")
-    if not isinstance(call_id, int) or isinstance(call_id, bool):
-        raise ProtocolError("UTILITY call_id is not an int", reason="bad_value")
-    if not isinstance(method, str):
-        raise ProtocolError("UTILITY method name is not a string", reason="bad_value")
-    return client_index, call_id, method, args
-
-
-def parse_request(frames: Sequence[bytes], source: int) -> InboundRequest | None:
-    """Turn one multipart message into a request record.
-
-    Returns None for a `READY` frame (nothing to do); raises ProtocolError for
-    anything malformed or of unknown type.
-    """
-    if not frames:
-        raise ProtocolError("empty message", reason="frame_count")
-    type_byte = frames[0]
-    payload = tuple(frames[1:])
-    if type_byte == READY:
-        return None
-    if type_byte == START_DP_WAVE:
-        wave, exclude = decode_start_dp_wave(frames)
-        return StartDpWave(wave=wave, exclude=exclude, source=source, frames=payload)
-    if type_byte == ADD:
-        if not payload:
-            raise ProtocolError("ADD without a payload frame", reason="frame_count")
-        return AddRequest(source=source, frames=payload)
-    if type_byte == ABORT:
-        if len(payload) != 1:
-            raise ProtocolError("ABORT needs exactly one payload frame", reason="frame_count")
-        return AbortRequests(request_ids=decode_abort(payload[0]), source=source, frames=payload)
-    if type_byte == UTILITY:
-        if len(payload) != 1:
-            raise ProtocolError("UTILITY needs exactly one payload frame", reason="frame_count")
-        client_index, call_id, method, args = _decode_utility(payload[0])
-        return UtilityCall(
-            client_index=client_index,
-            call_id=call_id,
-            method=method,
-            args=args,
-            source=source,
-            frames=payload,
-        )
-    raise ProtocolError(f"unknown request type byte {type_byte[:8]!r}", reason="unexpected_type")
-
-
-# ---------------------------------------------------------------- helpers
-
-
-def _is_ipv6_tcp(address: str) -> bool:
-    return address.startswith("tcp://[")
-
-
-@dataclass(frozen=True)
-class CurveClientKeys:
-    """Key files that make a socket a CURVE client of the coordinator."""
-
-    secret_key_file: str
-    """This client's `NAME.key_secret`."""
-    server_key_file: str
-    """The coordinator's public `NAME.key`."""
-
-    @classmethod
-    def from_options(
-        cls, secret_key_file: str | None, server_key_file: str | None
-    ) -> CurveClientKeys | None:
-        """Both files or neither; each is read once here, so a bad file fails at once."""
-        if secret_key_file is None and server_key_file is None:
-            return None
-        if secret_key_file is None or server_key_file is None:
-            raise ValueError(
-                "CURVE needs both curve_secret_key (this client's NAME.key_secret) and "
-                "curve_server_key (the coordinator's public NAME.key)"
-            )
-        load_secret_key(secret_key_file)
-        load_public_key(server_key_file)
-        return cls(secret_key_file, server_key_file)
-
-    def apply(self, sock: zmq.Socket[Any], address: str) -> None:
-        """Make `sock` a CURVE client if it is about to connect over TCP."""
-        # The coordinator turns CURVE on for its tcp sockets only; a CURVE client
-        # on ipc would fail its ZMTP handshake with a plain server, silently.
-        if address.startswith("tcp://"):
-            configure_client_socket(sock, self.secret_key_file, self.server_key_file)
-
-
-def _connect(
-    ctx: zmq.asyncio.Context,
-    socket_type: int,
-    address: str,
-    *,
-    identity: bytes | None = None,
-    linger_ms: int | None = None,
-    curve: CurveClientKeys | None = None,
-) -> zmq.asyncio.Socket:
-    """A connected socket with vLLM's options for its type (unbounded queues)."""
-    sock = ctx.socket(socket_type)
-    if curve is not None:
-        curve.apply(sock, address)
-    if socket_type in (zmq.PULL, zmq.DEALER, zmq.ROUTER):
-        sock.setsockopt(zmq.RCVHWM, 0)
-    if socket_type in (zmq.PUSH, zmq.DEALER, zmq.ROUTER):
-        sock.setsockopt(zmq.SNDHWM, 0)
-    if identity is not None:
-        sock.setsockopt(zmq.IDENTITY, identity)
-    if linger_ms is not None:
-        sock.setsockopt(zmq.LINGER, linger_ms)
-    if _is_ipv6_tcp(address):
-        sock.setsockopt(zmq.IPV6, 1)
-    sock.connect(address)
-    return sock
 
 
 def default_ready_response(rank: int, dp_size: int) -> EngineReadyResponse:
@@ -475,10 +303,11 @@ class EngineAgent:
         if self._ctx is None:
             self._ctx = zmq.asyncio.Context()
         ctx = self._ctx
-        self._handshake = _connect(
+        self._handshake = connect(
             ctx,
             zmq.DEALER,
             self.handshake_address,
+            ENGINE,
             identity=self.identity,
             linger_ms=_HANDSHAKE_LINGER_MS if self.vllm_shaped else 0,
             curve=self.curve,
@@ -502,25 +331,27 @@ class EngineAgent:
 
         # Outputs first, so nothing sent right after startup can find them missing.
         if addresses.coordinator_output is not None:
-            self._coord_push = _connect(
+            self._coord_push = connect(
                 ctx,
                 zmq.PUSH,
                 addresses.coordinator_output,
+                ENGINE,
                 linger_ms=_PUSH_LINGER_MS,
                 curve=self.curve,
             )
         self._output_pushes = [
-            _connect(ctx, zmq.PUSH, address, linger_ms=_PUSH_LINGER_MS)
+            connect(ctx, zmq.PUSH, address, ENGINE, linger_ms=_PUSH_LINGER_MS)
             for address in addresses.outputs
         ]
 
         # The coordinator's dispatch socket comes first in INIT's inputs; the
         # others are frontends' own sockets.
         self._inputs = [
-            _connect(
+            connect(
                 ctx,
                 zmq.DEALER,
                 address,
+                ENGINE,
                 identity=self.identity,
                 curve=self.curve if index == 0 else None,
             )
@@ -528,10 +359,11 @@ class EngineAgent:
         ]
         if addresses.coordinator_input is not None:
             # vLLM sets the identity on this XSUB too; it has no effect there.
-            self._coord_sub = _connect(
+            self._coord_sub = connect(
                 ctx,
                 zmq.XSUB,
                 addresses.coordinator_input,
+                ENGINE,
                 identity=self.identity,
                 curve=self.curve,
             )
@@ -667,7 +499,7 @@ class EngineAgent:
 
     def _accept(self, frames: Sequence[bytes], source: int) -> None:
         try:
-            request = parse_request(frames, source)
+            request = parse_engine_input(frames, source)
         except ProtocolError as exc:
             self._drop(exc.reason, f"{exc} (source {source})")
             return

@@ -53,14 +53,15 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import msgspec
 import zmq
 import zmq.asyncio
 
-from coordinator.engine import CurveClientKeys
+from coordinator._zmq import CLIENT, OUTPUTS, CurveClientKeys, bind, connect
 from coordinator.protocol import frontend as fp
 from coordinator.protocol import vllm
+from coordinator.protocol.addresses import tcp_endpoint
 from coordinator.protocol.errors import ProtocolError
+from coordinator.protocol.frontend import group_state_to_builtins
 
 __all__ = [
     "AdminError",
@@ -75,6 +76,7 @@ __all__ = [
     "RegisterError",
     "ReplyError",
     "SubmitError",
+    "group_state_to_builtins",
 ]
 
 log = logging.getLogger("coordinator.frontend")
@@ -155,10 +157,6 @@ An `ErrorReply` here has call id 0 (or an id no call waits for): the coordinator
 could not read one of our messages, so it could not say which call it was."""
 
 _T = TypeVar("_T")
-
-
-def _is_ipv6_tcp(address: str) -> bool:
-    return address.startswith("tcp://[")
 
 
 def finished_ids(message: vllm.EngineCoreOutputs) -> list[str]:
@@ -308,45 +306,20 @@ class FrontendClient:
         self._spawn(self._report_loop(), "finished")
 
     def _open_sockets(self) -> None:
-        pull = self._ctx.socket(zmq.PULL)
-        self._pull = pull
-        pull.setsockopt(zmq.LINGER, 0)
-        pull.setsockopt(zmq.RCVHWM, 0)
         if self.host is None:
             if self._ipc_dir is None:
                 self._ipc_dir = tempfile.mkdtemp(prefix="dp-frontend-")
                 self._owns_ipc_dir = True
             endpoint = f"ipc://{os.path.join(self._ipc_dir, f'outputs-{self.client_index}')}"
         else:
-            host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") \
-                else self.host
-            endpoint = f"tcp://{host}:0"
-            if _is_ipv6_tcp(endpoint):
-                pull.setsockopt(zmq.IPV6, 1)
-        pull.bind(endpoint)
-        raw = pull.getsockopt(zmq.LAST_ENDPOINT)
-        self.output_address = raw.decode() if isinstance(raw, bytes) else str(raw)
-
-        dealer = self._ctx.socket(zmq.DEALER)
-        self._dealer = dealer
-        dealer.setsockopt(zmq.LINGER, 0)
+            endpoint = tcp_endpoint(self.host)
+        self._pull, self.output_address = bind(self._ctx, zmq.PULL, endpoint, OUTPUTS)
         # A fixed identity survives reconnects (a restarted coordinator sees the same
         # peer), so failure notices for requests sent earlier still find this client.
-        dealer.setsockopt(zmq.IDENTITY, b"fe" + uuid.uuid4().bytes[:8])
-        if _is_ipv6_tcp(self.frontend_address):
-            dealer.setsockopt(zmq.IPV6, 1)
-        if self.curve is not None:
-            self.curve.apply(dealer, self.frontend_address)
-        dealer.connect(self.frontend_address)
-
-        sub = self._ctx.socket(zmq.XSUB)
-        self._sub = sub
-        sub.setsockopt(zmq.LINGER, 0)
-        if _is_ipv6_tcp(self.publish_address):
-            sub.setsockopt(zmq.IPV6, 1)
-        if self.curve is not None:
-            self.curve.apply(sub, self.publish_address)
-        sub.connect(self.publish_address)
+        self._dealer = connect(self._ctx, zmq.DEALER, self.frontend_address, CLIENT,
+                               identity=b"fe" + uuid.uuid4().bytes[:8], curve=self.curve)
+        self._sub = connect(self._ctx, zmq.XSUB, self.publish_address, CLIENT,
+                            curve=self.curve)
 
     async def close(self, timeout: float = 1.0) -> None:
         """Report pending finished ids (best effort), stop, close every socket."""
@@ -754,11 +727,3 @@ def _take_all(queue: asyncio.Queue[_T]) -> list[_T]:
             items.append(queue.get_nowait())
         except asyncio.QueueEmpty:
             return items
-
-
-def group_state_to_builtins(state: fp.GroupState) -> dict[str, Any]:
-    """The state as plain JSON-ready data, engines as maps keyed by field name."""
-    data: dict[str, Any] = msgspec.to_builtins(state)
-    fields = fp.EngineStatus.__struct_fields__
-    data["engines"] = [dict(zip(fields, row, strict=True)) for row in data["engines"]]
-    return data

@@ -11,17 +11,16 @@ address file appears (written only after every socket is bound).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from coordinator.server.transport import SOCKET_KEYS
+from coordinator._zmq import AddressFileTimeout, wait_for_address_file
+from coordinator.protocol.addresses import SOCKET_KEYS
 
 
 def stop_process(process: subprocess.Popen[bytes], timeout: float = 5.0) -> int:
@@ -121,21 +120,20 @@ def launch(
             env=env if env is not None else os.environ.copy(),
         )
     handle = CoordinatorHandle(process, {}, addr_file, stderr_path, tmpdir)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def exited_early() -> None:
         if process.poll() is not None:
             raise LaunchError(
                 f"coordinator exited with code {process.returncode} during start-up:\n"
                 f"{handle.stderr_text()}"
             )
-        with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
-            with open(addr_file) as fh:
-                addresses = json.load(fh)
-            if all(key in addresses for key in SOCKET_KEYS):
-                handle.addresses = {str(k): str(v) for k, v in addresses.items()}
-                return handle
-        time.sleep(0.02)
-    handle.shutdown(timeout=2.0)
-    raise LaunchError(
-        f"coordinator did not write {addr_file} within {timeout} s:\n{handle.stderr_text()}"
-    )
+
+    try:
+        handle.addresses = wait_for_address_file(addr_file, SOCKET_KEYS, timeout,
+                                                 check=exited_early)
+    except AddressFileTimeout:
+        handle.shutdown(timeout=2.0)
+        raise LaunchError(
+            f"coordinator did not write {addr_file} within {timeout} s:\n{handle.stderr_text()}"
+        ) from None
+    return handle

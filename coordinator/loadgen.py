@@ -56,7 +56,7 @@ from coordinator.frontend import (
     SubmitError,
 )
 from coordinator.protocol import frontend as fp
-from coordinator.sim import SimRequest, encode_sim_request
+from coordinator.sim.request import SimRequest, encode_sim_request
 
 __all__ = [
     "LoadConfig",

@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from typing import BinaryIO, Final
 
 from coordinator.launch import CoordinatorHandle, launch
+from coordinator.protocol.addresses import is_loopback_host
 
 __all__ = [
     "DEFAULT_STARTUP_TIMEOUT_S",
@@ -536,8 +537,6 @@ class DPCoordinatorProcess:
 
     @staticmethod
     def _needs_insecure(host: str, args: Sequence[str]) -> bool:
-        from coordinator.security import is_loopback_host
-
         if is_loopback_host(host.strip("[]")):
             return False
         if "--insecure" in args or any(a.startswith("--curve-secret-key") for a in args):

@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import json
 import os
 import random
@@ -66,6 +65,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from coordinator._zmq import die_with_parent_preexec
 from coordinator.frontend import EngineDead, FinishedRequest, FrontendClient, FrontendError, Notice
 from coordinator.launch import CoordinatorHandle, launch
 from coordinator.loadgen import LoadConfig, LoadGenerator, RequestRecord
@@ -132,13 +132,6 @@ class ChaosConfig:
 # ---------------------------------------------------------------- child processes
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGKILL the child if this harness dies without cleaning up."""
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 class Children:
     """Every process this run started, so that `kill_all` can end each one by pid."""
 
@@ -146,11 +139,10 @@ class Children:
         self.processes: list[subprocess.Popen[bytes]] = []
 
     def spawn(self, args: Sequence[str], *, stdout: str, stderr: str) -> subprocess.Popen[bytes]:
-        preexec = _die_with_parent if sys.platform == "linux" else None
         with open(stdout, "wb") as out, open(stderr, "wb") as err:
             process = subprocess.Popen(
                 list(args), stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                start_new_session=True, preexec_fn=preexec,
+                start_new_session=True, preexec_fn=die_with_parent_preexec(),
             )
         self.processes.append(process)
         return process

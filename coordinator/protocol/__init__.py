@@ -9,6 +9,7 @@ from coordinator.protocol.identity import (
     identity_to_rank,
     rank_to_identity,
 )
+from coordinator.protocol.version import PROTOCOL_VERSION
 from coordinator.protocol.vllm import (
     ABORT,
     ADD,
@@ -71,6 +72,7 @@ __all__ = [
     "IDENTITY_LENGTH",
     "MAX_RANK",
     "MAX_WAVE",
+    "PROTOCOL_VERSION",
     "READY",
     "REQUEST_TYPES",
     "SCALE_ELASTIC_EP",

@@ -13,19 +13,25 @@ See docs/PROTOCOL.md for the prose version, with examples.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Annotated, Literal
+from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
 from coordinator.protocol.errors import ProtocolError
+from coordinator.protocol.identity import MAX_RANK
+from coordinator.protocol.version import PROTOCOL_VERSION
+from coordinator.protocol.vllm import MAX_WAVE
 
-PROTOCOL_VERSION = 1
+#: The largest call id: a signed 64-bit integer.
+MAX_CALL_ID: Final = 2**63 - 1
+#: A client index addresses one of a rank's output sockets; it fits two bytes like a rank.
+MAX_CLIENT_INDEX: Final = 65535
 
 # Bounds enforced at decode time: anything outside is bad input, not a bug.
-CallId = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
-Rank = Annotated[int, msgspec.Meta(ge=0, le=65535)]
-Wave = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
-ClientIndex = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+CallId = Annotated[int, msgspec.Meta(ge=0, le=MAX_CALL_ID)]
+Rank = Annotated[int, msgspec.Meta(ge=0, le=MAX_RANK)]
+Wave = Annotated[int, msgspec.Meta(ge=0, le=MAX_WAVE)]
+ClientIndex = Annotated[int, msgspec.Meta(ge=0, le=MAX_CLIENT_INDEX)]
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
 Address = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
 AdminCommand = Literal["cordon", "uncordon", "drain"]
@@ -246,7 +252,7 @@ def salvage_call_id(header: bytes) -> int:
         and len(loose) >= 2
         and isinstance(loose[1], int)
         and not isinstance(loose[1], bool)
-        and 0 <= loose[1] <= 2**63 - 1
+        and 0 <= loose[1] <= MAX_CALL_ID
     ):
         return loose[1]
     return 0
@@ -262,3 +268,11 @@ def decode_reply(frame: bytes) -> FrontendReply:
 def call_id_of(message: FrontendRequest) -> int:
     """The call id to echo in a reply (0 for messages that carry none)."""
     return getattr(message, "call_id", 0)
+
+
+def group_state_to_builtins(state: GroupState) -> dict[str, Any]:
+    """The state as plain JSON-ready data, engines as maps keyed by field name."""
+    data: dict[str, Any] = msgspec.to_builtins(state)
+    fields = EngineStatus.__struct_fields__
+    data["engines"] = [dict(zip(fields, row, strict=True)) for row in data["engines"]]
+    return data

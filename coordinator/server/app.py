@@ -50,9 +50,10 @@ from coordinator.core.watchdog import HangWatchdog
 from coordinator.core.waves import BroadcastStartWave, PublishWave, WaveAction, WaveState
 from coordinator.protocol import frontend as fp
 from coordinator.protocol.errors import ProtocolError
+from coordinator.protocol.frontend import group_state_to_builtins
 from coordinator.protocol.identity import identity_to_rank, rank_to_identity
-from coordinator.security import CurveServer
 from coordinator.server.config import ServerConfig
+from coordinator.server.curve import CurveServer
 from coordinator.server.http import HttpEndpoints, ObservedState, RankView
 from coordinator.server.statefile import (
     SavedFrontend,
@@ -1158,8 +1159,6 @@ class CoordinatorServer:
         return counters
 
     def observed_state(self, now: float) -> ObservedState:
-        from coordinator.frontend import group_state_to_builtins
-
         wave, running = self.waves.snapshot()
         ranks = []
         for rank in self._rank_range():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from coordinator.security import check_bind_safety
+from coordinator.protocol.addresses import check_bind_safety
 from coordinator.server.transport import DEFAULT_MAX_MESSAGE_BYTES, SOCKET_KEYS
 
 

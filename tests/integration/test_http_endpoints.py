@@ -21,7 +21,6 @@ from coordinator.server.http import (
     ObservedState,
     RankView,
     add_observability_arguments,
-    balance_ratio,
     handshake_outcomes,
     split_counter,
 )
@@ -129,14 +128,6 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 
 
 # --- pure helpers ------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(("loads", "expected"), [
-    ([], 1.0), ([0, 0, 0], 1.0), ([5, 5], 1.0), ([4, 0], 0.5), ([10, 0, 0, 0], 0.25),
-    ([3, 6, 9], 2 / 3),
-])
-def test_balance_ratio(loads: list[int], expected: float) -> None:
-    assert balance_ratio(loads) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize(("key", "expected"), [

@@ -634,7 +634,7 @@ def zctx() -> Iterator[zmq.asyncio.Context]:
 async def ask_state_raw(ctx: zmq.asyncio.Context, address: str, timeout: float,
                         keys: tuple[str, str] | None) -> bytes | None:
     """A QueryState from a bare DEALER (CURVE client when `keys`); the reply or None."""
-    from coordinator.security import configure_client_socket
+    from coordinator._zmq import configure_client_socket
 
     sock = ctx.socket(zmq.DEALER)
     try:

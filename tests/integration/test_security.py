@@ -1,4 +1,4 @@
-"""CURVE between real sockets on tcp://127.0.0.1, key files, and the bind safety rule."""
+"""CURVE between real sockets on tcp://127.0.0.1, and key files."""
 
 from __future__ import annotations
 
@@ -12,20 +12,10 @@ from pathlib import Path
 import pytest
 import zmq
 
-from coordinator.security import (
-    CurveServer,
-    add_curve_arguments,
-    add_keygen_parser,
-    bind_host,
-    check_bind_safety,
-    configure_client_socket,
-    generate_keypair,
-    is_loopback_host,
-    load_client_keys,
-    load_public_key,
-    load_secret_key,
-    run_keygen,
-)
+from coordinator._zmq import configure_client_socket, load_public_key, load_secret_key
+from coordinator.cli.keygen import add_keygen_parser, generate_keypair, run_keygen
+from coordinator.cli.serve import add_curve_arguments
+from coordinator.server.curve import CurveServer, load_client_keys
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -273,61 +263,3 @@ def test_curve_arguments() -> None:
     args = parser.parse_args(["--curve-secret-key", "k", "--curve-clients-dir", "d",
                               "--insecure"])
     assert (args.curve_secret_key, args.curve_clients_dir, args.insecure) == ("k", "d", True)
-
-
-# --- bind safety -------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(("address", "host"), [
-    ("0.0.0.0", "0.0.0.0"),
-    ("[::1]", "::1"),
-    ("tcp://10.0.0.5:5555", "10.0.0.5"),
-    ("tcp://[::1]:0", "::1"),
-    ("tcp://*:0", "*"),
-    ("tcp://127.0.0.1", "127.0.0.1"),
-    ("ipc:///tmp/dp/handshake", None),
-    ("inproc://x", None),
-])
-def test_bind_host(address: str, host: str | None) -> None:
-    assert bind_host(address) == host
-
-
-@pytest.mark.parametrize(("host", "loopback"), [
-    ("127.0.0.1", True), ("127.8.9.10", True), ("::1", True), ("localhost", True),
-    ("LOCALHOST", True), ("0.0.0.0", False), ("::", False), ("10.1.2.3", False),
-    ("192.168.0.1", False), ("*", False), ("example.com", False), ("128.0.0.1", False),
-])
-def test_is_loopback_host(host: str, loopback: bool) -> None:
-    assert is_loopback_host(host) is loopback
-
-
-@pytest.mark.parametrize(("host", "has_keys", "insecure", "refused"), [
-    (None, False, False, False),  # ipc
-    ("ipc:///tmp/x", False, False, False),
-    ("127.0.0.1", False, False, False),
-    ("127.0.0.2", False, False, False),
-    ("::1", False, False, False),
-    ("[::1]", False, False, False),
-    ("localhost", False, False, False),
-    ("tcp://127.0.0.1:5555", False, False, False),
-    ("0.0.0.0", False, False, True),
-    ("::", False, False, True),
-    ("10.0.0.5", False, False, True),
-    ("tcp://*:5555", False, False, True),
-    ("node7.cluster", False, False, True),
-    ("0.0.0.0", True, False, False),
-    ("0.0.0.0", False, True, False),
-    ("10.0.0.5", True, True, False),
-])
-def test_check_bind_safety(host: str | None, has_keys: bool, insecure: bool,
-                           refused: bool) -> None:
-    if refused:
-        with pytest.raises(ValueError) as info:
-            check_bind_safety(host, has_keys=has_keys, insecure=insecure)
-        message = str(info.value)
-        assert "not a loopback address" in message
-        assert "--curve-secret-key" in message
-        assert "--insecure" in message
-        assert repr(host) in message
-    else:
-        check_bind_safety(host, has_keys=has_keys, insecure=insecure)

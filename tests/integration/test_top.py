@@ -13,11 +13,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from coordinator.core.watchdog import HangWatchdog
-from coordinator.engine import EngineAgent
-from coordinator.launch import launch
-from coordinator.server.http import HttpEndpoints, ObservedState, RankView
-from coordinator.top import (
+from coordinator.cli.top import (
     FrontendSource,
     Rates,
     TopError,
@@ -29,6 +25,10 @@ from coordinator.top import (
     run_top,
     state_url,
 )
+from coordinator.core.watchdog import HangWatchdog
+from coordinator.engine import EngineAgent
+from coordinator.launch import launch
+from coordinator.server.http import HttpEndpoints, ObservedState, RankView
 
 pytestmark = pytest.mark.timeout(60)
 

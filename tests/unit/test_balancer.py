@@ -17,6 +17,7 @@ from coordinator.core.balancer import (
     PowerOfTwoChoices,
     RankLoad,
     StatsOutcome,
+    balance_ratio,
     is_stale_report,
     load_score,
     make_policy,
@@ -454,3 +455,11 @@ def test_p2c_pick_is_never_the_strict_worst(
         assert chosen is not None
         # Its partner sample scored at least as much, so some other candidate does.
         assert any(scores[r] >= scores[chosen] for r in candidates if r != chosen)
+
+
+@pytest.mark.parametrize(("loads", "expected"), [
+    ([], 1.0), ([0, 0, 0], 1.0), ([5, 5], 1.0), ([4, 0], 0.5), ([10, 0, 0, 0], 0.25),
+    ([3, 6, 9], 2 / 3),
+])
+def test_balance_ratio(loads: list[int], expected: float) -> None:
+    assert balance_ratio(loads) == pytest.approx(expected)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 from typing import Any
 
 import msgspec
@@ -155,3 +156,25 @@ def test_salvage_call_id_recovers_only_a_plausible_id(header: bytes, call_id: in
 def test_payload_error_names_the_wire_tag() -> None:
     with pytest.raises(ProtocolError, match="'state' takes no payload frames"):
         fp.decode_request([fp.encode(fp.QueryState(1)), b"x"])
+
+
+def test_group_state_to_builtins_names_every_engine_field() -> None:
+    state = fp.GroupState(
+        wave=3, running=True, lockstep=True, rank_start=4, rank_count=2, frontends=1,
+        in_flight=5, counters={"submit.dispatched": 9},
+        engines=[fp.EngineStatus(4, "ready", "e4", 1, 2, 0.5, 0, 3, 0.25),
+                 fp.EngineStatus(5, "dead", None, 0, 0, 0.0, 0, 0, None)],
+    )
+    data = fp.group_state_to_builtins(state)
+    assert json.loads(json.dumps(data)) == data
+    assert data["engines"][1] == {
+        "rank": 5, "state": "dead", "engine_id": None, "waiting": 0, "running": 0,
+        "kv_cache_usage": 0.0, "dispatched_since_report": 0, "in_flight": 0,
+        "last_seen_age_s": None,
+    }
+    assert data["engines"][0]["rank"] == 4 and data["engines"][0]["last_seen_age_s"] == 0.25
+    assert {k: v for k, v in data.items() if k != "engines"} == {
+        "wave": 3, "running": True, "lockstep": True, "rank_start": 4, "rank_count": 2,
+        "frontends": 1, "in_flight": 5, "counters": {"submit.dispatched": 9},
+        "shutting_down": False,
+    }

@@ -11,101 +11,44 @@ answer within `--timeout`.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 import time
 from typing import Any
 
-import zmq
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from coordinator.engine import CurveClientKeys
-from coordinator.frontend import group_state_to_builtins
+from coordinator.cli.common import (
+    StateQuery,
+    StatusError,
+    add_curve_client_arguments,
+    read_frontend_address,
+)
 from coordinator.protocol import frontend as fp
-from coordinator.protocol.errors import ProtocolError
+from coordinator.protocol.frontend import group_state_to_builtins
 
 EXIT_OK = 0
 EXIT_ERROR = 1
 
 
-class StatusError(Exception):
-    """Something the operator must fix; the message says what."""
-
-
-def read_address_file(path: str) -> str:
-    """The coordinator's `frontend` address from its address file."""
-    try:
-        with open(path, encoding="utf-8") as handle:
-            addresses = json.load(handle)
-    except FileNotFoundError:
-        raise StatusError(f"no address file at {path}: is the coordinator running, and was "
-                          "it started with --addr-file pointing there?") from None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise StatusError(f"cannot read the address file {path}: {exc}") from None
-    address = addresses.get("frontend") if isinstance(addresses, dict) else None
-    if not isinstance(address, str) or not address:
-        raise StatusError(f"the address file {path} has no 'frontend' address")
-    return address
-
-
-class StateQuery:
-    """A DEALER to the coordinator's frontend socket, asking for state on demand."""
-
-    def __init__(
-        self,
-        address: str,
-        *,
-        curve_secret_key: str | None = None,
-        curve_server_key: str | None = None,
-    ) -> None:
-        self.address = address
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        if address.startswith("tcp://["):
-            self._sock.setsockopt(zmq.IPV6, 1)
-        keys = CurveClientKeys.from_options(curve_secret_key, curve_server_key)
-        if keys is not None:
-            keys.apply(self._sock, address)
-        self._sock.connect(address)
-        self._call_ids = itertools.count(1)
-
-    def query(self, timeout_s: float) -> fp.GroupState:
-        call_id = next(self._call_ids)
-        deadline = time.monotonic() + timeout_s
-        try:
-            self._sock.send(fp.encode(fp.QueryState(call_id)), zmq.NOBLOCK)
-        except zmq.Again:
-            raise StatusError(self._silent(timeout_s)) from None
-        while True:
-            remaining_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
-            if remaining_ms <= 0 or not self._sock.poll(remaining_ms, zmq.POLLIN):
-                raise StatusError(self._silent(timeout_s))
-            frames = self._sock.recv_multipart()
-            if len(frames) != 1:
-                continue
-            try:
-                reply = fp.decode_reply(frames[0])
-            except ProtocolError:
-                continue
-            if isinstance(reply, fp.StateReply) and reply.call_id == call_id:
-                return reply.state
-            if isinstance(reply, fp.ErrorReply) and reply.call_id == call_id:
-                raise StatusError(f"the coordinator refused the state query: "
-                                  f"{reply.code}: {reply.message}")
-            # Anything else is a late answer to an earlier query or a notice.
-
-    def _silent(self, timeout_s: float) -> str:
-        return (f"the coordinator at {self.address} did not answer within {timeout_s:g} s "
-                "(is it running? is the address file current?)")
-
-    def close(self) -> None:
-        self._sock.close(0)
-        self._ctx.term()
+def add_status_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "status",
+        help="show the state of a running coordinator",
+        description="Ask a running coordinator (over its frontend socket) for membership, "
+        "loads, wave and counters, and print them.",
+    )
+    p.add_argument("--addr-file", required=True, metavar="F",
+                   help="the coordinator's address file")
+    p.add_argument("--watch", action="store_true", help="keep the view live (Ctrl-C ends)")
+    p.add_argument("--interval", type=float, default=1.0, help="refresh period for --watch")
+    p.add_argument("--json", action="store_true", help="print the raw state as JSON")
+    p.add_argument("--timeout", type=float, default=5.0,
+                   help="seconds to wait for the coordinator's answer (default 5)")
+    add_curve_client_arguments(p)
 
 
 def state_tables(state: fp.GroupState) -> Group:
@@ -150,7 +93,7 @@ def state_json(state: fp.GroupState) -> str:
 def run_status(args: argparse.Namespace) -> int:
     console = Console()
     try:
-        address = read_address_file(args.addr_file)
+        address = read_frontend_address(args.addr_file)
     except StatusError as exc:
         print(f"dp-coordinator status: {exc}", file=sys.stderr, flush=True)
         return EXIT_ERROR

@@ -26,9 +26,14 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from coordinator.cli.common import (
+    StateQuery,
+    StatusError,
+    add_curve_client_arguments,
+    read_frontend_address,
+)
+from coordinator.core.balancer import balance_ratio
 from coordinator.protocol import frontend as fp
-from coordinator.server.http import balance_ratio
-from coordinator.status import StateQuery, StatusError, read_address_file
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -247,7 +252,7 @@ class FrontendSource:
         curve_server_key: str | None = None,
     ) -> None:
         try:
-            address = read_address_file(addr_file)
+            address = read_frontend_address(addr_file)
             self._query = StateQuery(address, curve_secret_key=curve_secret_key,
                                      curve_server_key=curve_server_key)
         except (StatusError, ValueError) as exc:
@@ -357,8 +362,6 @@ def add_top_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     p.add_argument("--timeout", type=float, default=5.0, metavar="S",
                    help="seconds to wait for each answer (default 5)")
     p.add_argument("--once", action="store_true", help="print one frame and exit")
-    from coordinator.cli import add_curve_client_arguments
-
     add_curve_client_arguments(p)
     p.add_argument("--frames", type=int, default=None, metavar="N",
                    help="stop after N refreshes (default: until Ctrl-C)")

@@ -1,21 +1,12 @@
-"""Command line entry point: `dp-coordinator` and `python -m coordinator`.
-
-Subcommands:
-  serve   run the coordinator process (binds six sockets, writes an address file)
-  demo    coordinator + simulated engines + load generator, with a live view
-  status  print the state of a running coordinator once, or keep it live
-  top     live terminal view of ranks, loads, wave, rates and the watchdog
-  keygen  write a CURVE key pair
-  cordon, uncordon, drain   operator commands on one rank
-"""
+"""`dp-coordinator serve`: the coordinator process, and every flag it takes."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 
-from coordinator import __version__
+from coordinator._zmq import LOOP_CHOICES
+from coordinator.server.http import add_observability_arguments
 
 SERVE_EPILOG = """\
 sockets (keys of the address file):
@@ -97,90 +88,25 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
                    help="0.33 (default): vLLM 0.33 frontends. legacy: also accept the pre-0.33 "
                    "frontend wake [engine_index, wave] on front_publish and publish "
                    "2-element count rows for frontends that unpack two")
-    p.add_argument("--loop", default="auto", choices=["auto", "uvloop", "asyncio"],
+    p.add_argument("--loop", default="auto", choices=list(LOOP_CHOICES),
                    help="event loop (default auto: uvloop when installed)")
     p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"], help="default info")
-    from coordinator.security import add_curve_arguments
-    from coordinator.server.http import add_observability_arguments
-
     add_observability_arguments(p)
     add_curve_arguments(p)
 
 
-def add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "demo",
-        help="run a coordinator with simulated engines under load (the default main job)",
-        description="Start a coordinator, N simulated lockstep engines and a load generator "
-        "with several frontends; show a live view of every rank, then a summary: requests "
-        "completed and lost, waves, balance ratio and first-request wake latency.",
-    )
-    p.add_argument("--engines", type=int, default=4, metavar="N", help="simulated DP ranks "
-                   "(default 4)")
-    p.add_argument("--frontends", type=int, default=2, metavar="K",
-                   help="frontends generating load (default 2)")
-    p.add_argument("--duration", type=float, default=20.0, metavar="S",
-                   help="seconds of load (default 20)")
-    p.add_argument("--rate", type=float, default=200.0, metavar="R",
-                   help="mean request arrivals per second over all frontends, Poisson "
-                   "(default 200)")
-    p.add_argument("--host", default=None, metavar="H",
-                   help="use tcp on H (e.g. 127.0.0.1) instead of ipc")
-    p.add_argument("--no-wave-coordination", action="store_true", help="dense mode")
-    p.add_argument("--seed", type=int, default=None, help="random seed for the load")
-    p.add_argument("--no-live", action="store_true",
-                   help="no live terminal view; print only the summary")
-    p.add_argument("--json", default=None, metavar="FILE",
-                   help="also write the summary as JSON to FILE")
-
-
-def add_status_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "status",
-        help="show the state of a running coordinator",
-        description="Ask a running coordinator (over its frontend socket) for membership, "
-        "loads, wave and counters, and print them.",
-    )
-    p.add_argument("--addr-file", required=True, metavar="F",
-                   help="the coordinator's address file")
-    p.add_argument("--watch", action="store_true", help="keep the view live (Ctrl-C ends)")
-    p.add_argument("--interval", type=float, default=1.0, help="refresh period for --watch")
-    p.add_argument("--json", action="store_true", help="print the raw state as JSON")
-    p.add_argument("--timeout", type=float, default=5.0,
-                   help="seconds to wait for the coordinator's answer (default 5)")
-    add_curve_client_arguments(p)
-
-
-def add_curve_client_arguments(p: argparse.ArgumentParser) -> None:
-    """Key flags for tools that talk to a coordinator with CURVE on its tcp sockets."""
-    p.add_argument("--curve-secret-key", default=None, metavar="FILE",
-                   help="this client's secret key file, for a coordinator that requires CURVE")
-    p.add_argument("--curve-server-key", default=None, metavar="FILE",
-                   help="the coordinator's public key file (NAME.key)")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="dp-coordinator",
-        description="Data-parallel coordinator for LLM engines, wire-compatible with vLLM "
-        "0.33: keeps DP ranks in lock-step waves, sends each request to the least-loaded "
-        "rank and publishes every rank's load to the frontends.",
-    )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    from coordinator.security import add_keygen_parser
-    from coordinator.top import add_top_parser
-
-    add_serve_parser(sub)
-    add_demo_parser(sub)
-    add_status_parser(sub)
-    add_top_parser(sub)
-    add_keygen_parser(sub)
-    from coordinator.admin import add_admin_parsers
-
-    add_admin_parsers(sub)
-    return parser
+def add_curve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `serve` flags for CURVE and for binding beyond loopback."""
+    group = parser.add_argument_group("security")
+    group.add_argument("--curve-secret-key", default=None, metavar="FILE",
+                       help="the coordinator's secret key file (NAME.key_secret): turns on "
+                       "CURVE encryption and authentication on every TCP socket")
+    group.add_argument("--curve-clients-dir", default=None, metavar="DIR",
+                       help="directory of allowed client public keys (*.key); others are "
+                       "refused and counted")
+    group.add_argument("--insecure", action="store_true",
+                       help="allow binding a non-loopback TCP address without CURVE keys")
 
 
 def parse_bind_overrides(items: Sequence[str]) -> dict[str, str]:
@@ -194,7 +120,10 @@ def parse_bind_overrides(items: Sequence[str]) -> dict[str, str]:
     return overrides
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def run_serve(args: argparse.Namespace) -> int:
+    """Build the server configuration from the flags and run the coordinator."""
+    # Imported here: every tool builds the parser (the vLLM drop-in too, to check a
+    # flag), and only `serve` needs the server itself.
     from coordinator.server.config import ServerConfig
     from coordinator.server.run import configure_logging, run_server
 
@@ -230,36 +159,3 @@ def cmd_serve(args: argparse.Namespace) -> int:
         insecure=args.insecure,
     )
     return run_server(config)
-
-
-def cmd_status(args: argparse.Namespace) -> int:
-    from coordinator.status import run_status
-
-    return run_status(args)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command == "serve":
-        return cmd_serve(args)
-    if args.command == "status":
-        return cmd_status(args)
-    if args.command == "demo":
-        from coordinator.demo import run_demo
-
-        return run_demo(args)
-    if args.command == "top":
-        from coordinator.top import run_top
-
-        return run_top(args)
-    if args.command == "keygen":
-        from coordinator.security import run_keygen
-
-        return run_keygen(args)
-    if args.command in ("cordon", "uncordon", "drain"):
-        from coordinator.admin import run_admin
-
-        return run_admin(args)
-    parser.print_help(sys.stderr)
-    return 2

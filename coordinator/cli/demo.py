@@ -30,7 +30,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +38,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from coordinator._zmq import die_with_parent_preexec, run_loop
 from coordinator.frontend import FrontendError
 from coordinator.launch import CoordinatorHandle, LaunchError, launch, stop_process
 from coordinator.loadgen import LoadConfig, LoadGenerator, LoadSummary
@@ -56,8 +56,8 @@ DEMO_BURST_ON_S = 1.5
 DEMO_BURST_OFF_S = 1.0
 DEMO_STEPS_MAX = 128
 
-# The sim's exit status when an engine died of a collective hang.
-_SIM_EXIT_HANG = 3
+# `python -m coordinator.sim`'s exit status when an engine died of a collective hang.
+SIM_EXIT_HANG = 3
 
 
 @dataclass
@@ -75,7 +75,7 @@ class DemoResult:
     @property
     def hang_detected(self) -> bool:
         stalls = self.summary.stalls if self.summary is not None else 0
-        return stalls > 0 or self.engine_hangs > 0 or self.sim_exit == _SIM_EXIT_HANG
+        return stalls > 0 or self.engine_hangs > 0 or self.sim_exit == SIM_EXIT_HANG
 
     @property
     def healthy(self) -> bool:
@@ -85,16 +85,6 @@ class DemoResult:
             and self.summary.lost == 0
             and not self.hang_detected
         )
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to SIGTERM the child if the demo dies without cleaning up."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 class SimProcess:
@@ -112,12 +102,10 @@ class SimProcess:
         ]
         if args.no_wave_coordination:
             cmd.append("--dense")
-        preexec: Callable[[], None] | None = _die_with_parent if sys.platform == "linux" \
-            else None
         with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
             self.process = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                start_new_session=True, preexec_fn=preexec,
+                start_new_session=True, preexec_fn=die_with_parent_preexec(),
             )
 
     def alive(self) -> bool:
@@ -364,6 +352,33 @@ async def _main(args: argparse.Namespace, console: Console, result: DemoResult,
             loop.remove_signal_handler(signum)
 
 
+def add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="run a coordinator with simulated engines under load (the default main job)",
+        description="Start a coordinator, N simulated lockstep engines and a load generator "
+        "with several frontends; show a live view of every rank, then a summary: requests "
+        "completed and lost, waves, balance ratio and first-request wake latency.",
+    )
+    p.add_argument("--engines", type=int, default=4, metavar="N", help="simulated DP ranks "
+                   "(default 4)")
+    p.add_argument("--frontends", type=int, default=2, metavar="K",
+                   help="frontends generating load (default 2)")
+    p.add_argument("--duration", type=float, default=20.0, metavar="S",
+                   help="seconds of load (default 20)")
+    p.add_argument("--rate", type=float, default=200.0, metavar="R",
+                   help="mean request arrivals per second over all frontends, Poisson "
+                   "(default 200)")
+    p.add_argument("--host", default=None, metavar="H",
+                   help="use tcp on H (e.g. 127.0.0.1) instead of ipc")
+    p.add_argument("--no-wave-coordination", action="store_true", help="dense mode")
+    p.add_argument("--seed", type=int, default=None, help="random seed for the load")
+    p.add_argument("--no-live", action="store_true",
+                   help="no live terminal view; print only the summary")
+    p.add_argument("--json", default=None, metavar="FILE",
+                   help="also write the summary as JSON to FILE")
+
+
 def _validate(args: argparse.Namespace) -> str | None:
     if args.engines < 1:
         return "--engines must be at least 1"
@@ -401,7 +416,7 @@ def run_demo(args: argparse.Namespace) -> int:
             return EXIT_SETUP
         sim = SimProcess(args, coordinator.addr_file, workdir)
         try:
-            _run_loop(_main(args, console, result, coordinator, sim))
+            run_loop(_main(args, console, result, coordinator, sim))
         except KeyboardInterrupt:
             result.error = "interrupted"
         except (FrontendError, RuntimeError, ValueError, OSError) as exc:
@@ -434,12 +449,3 @@ def run_demo(args: argparse.Namespace) -> int:
     if result.error is not None and result.error.startswith("interrupted"):
         return EXIT_INTERRUPTED
     return EXIT_OK if result.healthy else EXIT_UNHEALTHY
-
-
-def _run_loop(main: Any) -> None:
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(main)
-        return
-    uvloop.run(main)

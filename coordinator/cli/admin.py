@@ -16,9 +16,14 @@ import time
 
 import zmq
 
+from coordinator.cli.common import (
+    StateQuery,
+    StatusError,
+    add_curve_client_arguments,
+    read_frontend_address,
+)
 from coordinator.protocol import frontend as fp
 from coordinator.protocol.errors import ProtocolError
-from coordinator.status import StateQuery, StatusError, read_address_file
 
 EXIT_OK = 0
 EXIT_REFUSED = 1
@@ -80,15 +85,13 @@ def add_admin_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
             p.add_argument("--wait", type=float, default=None, metavar="S",
                            help="wait up to S seconds until the rank has no request in "
                            "flight; exit 1 if it still has some")
-        from coordinator.cli import add_curve_client_arguments
-
         add_curve_client_arguments(p)
 
 
 def run_admin(args: argparse.Namespace) -> int:
     command: fp.AdminCommand = args.command
     try:
-        address = read_address_file(args.addr_file)
+        address = read_frontend_address(args.addr_file)
         client = AdminClient(address, curve_secret_key=args.curve_secret_key,
                              curve_server_key=args.curve_server_key)
     except (StatusError, ValueError) as exc:

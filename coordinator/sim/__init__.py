@@ -1,0 +1,117 @@
+"""Simulated lockstep data-parallel engines, for the demo, tests and benchmarks.
+
+Each `SimEngine` is an `EngineAgent` plus a step loop that behaves like vLLM
+0.33's `DPEngineCoreProc` wherever the coordinator can tell the difference:
+
+* a waiting queue and a running set capped at `max_batch`; a request runs for
+  its `decode_steps` steps, then the frontend that sent it gets an
+  `EngineCoreOutputs` with `finished_requests=[request_id]` on its output socket;
+* each loop iteration drains the input, publishes stats, runs one step and
+  publishes stats again; stats go out only when `(running, waiting)` changed;
+* while the group is running, an engine with no local work runs dummy steps;
+* waves: an engine that gets a request adopts a newer stamped wave, and if it
+  was idle it marks itself running *before* it sends `start_wave(current)`;
+  `START_DP_WAVE [w, exclude]` wakes an engine that is not `exclude` when
+  `w >= current`; when the global "anything unfinished" flag turns false, rank 0
+  sends `wave_complete(current)` and every rank moves to the next wave with its
+  step counter reset; rank 0 also reports `start_wave` when it starts running
+  without having received a request itself (the "mirror" edge).
+
+The collective
+--------------
+Real lockstep engines meet in collectives (the MoE all-to-all, and vLLM's
+all-reduce of "has unfinished requests") on every step. Here every running rank
+sends `(seq, has_unfinished)` to a `CollectiveHub` (a ZMQ ROUTER that a rank or
+the group runner binds) after each step, real or dummy, and waits for the sum.
+`seq` counts the collectives a rank has entered, so ranks that stepped the same
+number of times meet in the same collective. An engine that never woke up never
+enters it, and its peers block there, exactly as GPUs would. The wait is
+bounded (`collective_timeout_s`): when it runs out, the waiting rank asks the hub
+which ranks have arrived, and records a `CollectiveHang` naming the missing
+ones (in `SimEngine.hangs`, and at ERROR in the log). With `on_hang="fail"` the
+engine then dies like a vLLM engine whose collective timed out (frontends get
+ENGINE_CORE_DEAD); with `on_hang="wait"` it records one hang per timeout period
+and keeps waiting, so a late wake still completes the collective.
+
+vLLM only honours the reduced flag on step 1 and then every `dp_sync_interval`
+steps (16); between those steps the group keeps running. The same rule applies
+here (`SimConfig.dp_sync_interval`).
+
+Fault injection: `SimEngine.freeze()` stops the step loop (peers then block in
+the collective); `ignore_start_wave = True` makes an engine drop START_DP_WAVE,
+which plants the classic never-woken-peer hang.
+
+Requests: the ADD payload is one frame holding a `SimRequest` (`encode_sim_request`).
+
+Command line: `python -m coordinator.sim --help`.
+
+Modules: `request` (the ADD payload), `collective` (the hub and its clients),
+`engine` (one rank), `group` (every rank in one process), `cli` (the command
+line). Everything public is importable from `coordinator.sim` itself.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from coordinator.sim.cli import main
+    from coordinator.sim.collective import CollectiveClient, CollectiveHang, CollectiveHub
+    from coordinator.sim.engine import (
+        HangPolicy,
+        SimConfig,
+        SimCounters,
+        SimEngine,
+        sim_config_hash,
+    )
+    from coordinator.sim.group import SimEngineGroup
+    from coordinator.sim.request import SimRequest, decode_sim_request, encode_sim_request
+
+# Each public name and the module that defines it. They are imported on first use,
+# so a user of one part (the load generator needs only the request codec) does not
+# load the engine model and the command line with it.
+_HOMES = {
+    "CollectiveClient": "collective",
+    "CollectiveHang": "collective",
+    "CollectiveHub": "collective",
+    "HangPolicy": "engine",
+    "SimConfig": "engine",
+    "SimCounters": "engine",
+    "SimEngine": "engine",
+    "SimEngineGroup": "group",
+    "SimRequest": "request",
+    "decode_sim_request": "request",
+    "encode_sim_request": "request",
+    "main": "cli",
+    "sim_config_hash": "engine",
+}
+
+__all__ = [
+    "CollectiveClient",
+    "CollectiveHang",
+    "CollectiveHub",
+    "HangPolicy",
+    "SimConfig",
+    "SimCounters",
+    "SimEngine",
+    "SimEngineGroup",
+    "SimRequest",
+    "decode_sim_request",
+    "encode_sim_request",
+    "main",
+    "sim_config_hash",
+]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOMES})
