@@ -594,7 +594,7 @@ class DPCoordinatorProcess:
     # -- extras --
 
     def stderr_text(self) -> str:
-        """The child's log so far (until shutdown removes it)."""
+        """The child's log so far; after shutdown, its last 64 KiB."""
         return self._handle.stderr_text()
 
     def __repr__(self) -> str:
