@@ -6,37 +6,142 @@
 
 The child is `python -m coordinator serve ...`; the handle knows it is up once the
 address file appears (written only after every socket is bound).
+
+Stopping never raises: SIGTERM, a wait of `timeout` but at least a short grace
+(a coordinator stops in milliseconds, and one that gets the chance closes its
+sockets and removes its files), then SIGKILL. Whatever the child could not
+clean up, the launch directory goes with the handle.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Final
 
 from coordinator._zmq import AddressFileTimeout, wait_for_address_file
 from coordinator.protocol.addresses import SOCKET_KEYS
 
+SIGTERM_GRACE_S: Final = 2.0
+"""The shortest wait between SIGTERM and SIGKILL, whatever `timeout` says.
 
-def stop_process(process: subprocess.Popen[bytes], timeout: float = 5.0) -> int:
-    """SIGTERM, wait up to `timeout`, then SIGKILL; returns the exit code."""
+vLLM's `vllm serve` stops its coordinator with `shutdown(timeout=0)` by
+default; a coordinator that gets this long exits cleanly instead of being
+killed with its files left behind."""
+
+KILL_WAIT_S: Final = 5.0
+"""How long to wait for a SIGKILLed child to be reaped (only a process stuck in
+the kernel takes longer)."""
+
+STDERR_TAIL_BYTES: Final = 64 * 1024
+"""How much of the child's log a handle keeps once its launch directory is gone."""
+
+LAUNCHER_FLAGS: Final = (
+    "--engines", "--frontends", "--rank-start", "--addr-file", "--host",
+    "--no-wave-coordination",
+)
+"""`serve` flags `launch` sets from its keywords; `extra_args` may not repeat them."""
+
+_IPC_DIR_MAX: Final = 80
+"""Longest own ipc directory: a unix socket path holds 108 bytes with the key."""
+
+
+def stop_process(
+    process: subprocess.Popen[bytes], timeout: float | None = 5.0, *,
+    grace: float = SIGTERM_GRACE_S,
+) -> int | None:
+    """SIGTERM, wait up to `max(timeout, grace)`, then SIGKILL; the exit code.
+
+    Never raises. `timeout` None means 5 s. The result is None only when even
+    a SIGKILLed child was not reaped within `KILL_WAIT_S`.
+    """
+    wait_s = max(5.0 if timeout is None else timeout, grace, 0.0)
     if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout)
-        except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(wait_s)
+    if process.poll() is None:
+        # Stopped (SIGSTOP), wedged or ignoring SIGTERM: SIGKILL works on all of them.
+        with contextlib.suppress(ProcessLookupError):
             process.kill()
-            process.wait(timeout)
-    return int(process.returncode)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(KILL_WAIT_S)
+    return process.poll()
 
 
 class LaunchError(RuntimeError):
     """The coordinator process did not come up."""
+
+
+class LauncherFlagError(ValueError):
+    """Extra `serve` flags repeat a flag the launcher sets itself."""
+
+
+SERVE_OPTIONS: Final = frozenset({
+    "--addr-file", "--bind", "--coord-store-port", "--curve-clients-dir", "--curve-secret-key",
+    "--engines", "--frontends", "--handshake-timeout-s", "--heartbeat-s", "--help", "--host",
+    "--insecure", "--ipc-dir", "--lease-ttl-s", "--log-level", "--loop", "--master-ip",
+    "--master-port", "--metrics-host", "--metrics-port", "--no-watchdog-rewake",
+    "--no-wave-coordination", "--policy", "--port-base", "--publish-interval-ms",
+    "--rank-start", "--recorder-size", "--state-file", "--vllm-compat", "--watchdog-stall-s",
+})
+"""Every long option of `dp-coordinator serve`, which argparse matches by unique prefix.
+
+Written out rather than read from the command-line parser so that the launch API
+does not import the command line (which imports it); a test keeps the two equal."""
+
+
+def serve_option_names() -> frozenset[str]:
+    """Every long option `dp-coordinator serve` accepts."""
+    return SERVE_OPTIONS
+
+
+def find_flags(
+    args: Sequence[str], wanted: Iterable[str], known: Iterable[str] | None = None
+) -> list[tuple[str, str]]:
+    """`(flag, as written)` for each of `args` that `serve` would read as a `wanted` flag.
+
+    Catches every spelling argparse accepts: `--addr-file F`, `--addr-file=F`
+    and unambiguous abbreviations such as `--addr F`. `known` is every option
+    of `serve` (`SERVE_OPTIONS` when not given).
+    """
+    wanted = frozenset(wanted)
+    options = frozenset(serve_option_names() if known is None else known) | wanted
+    found: list[tuple[str, str]] = []
+    for arg in args:
+        if arg == "--":
+            break  # argparse reads no options after it
+        if not arg.startswith("--") or len(arg) < 3:
+            continue
+        name = arg.partition("=")[0]
+        if name in options:
+            flag = name
+        else:
+            matches = [option for option in options if option.startswith(name)]
+            if len(matches) != 1:
+                continue  # unknown or ambiguous: `serve` refuses it itself, with a message
+            flag = matches[0]
+        if flag in wanted:
+            found.append((flag, arg))
+    return found
+
+
+def describe_flags(found: Sequence[tuple[str, str]]) -> str:
+    """`--addr-file (given as --addr-file=x.json), --engines` for an error message."""
+    return ", ".join(flag if flag == written else f"{flag} (given as {written})"
+                     for flag, written in found)
+
+
+def _tail(text: str, limit: int = 4000) -> str:
+    return text if len(text) <= limit else "...\n" + text[-limit:]
 
 
 @dataclass
@@ -46,6 +151,7 @@ class CoordinatorHandle:
     addr_file: str
     _stderr_path: str = field(repr=False, default="")
     _tmpdir: str | None = field(repr=False, default=None)
+    _stderr_kept: str | None = field(repr=False, default=None)
 
     @property
     def pid(self) -> int:
@@ -59,19 +165,38 @@ class CoordinatorHandle:
         return self.process.poll()
 
     def stderr_text(self) -> str:
+        """The child's log; after shutdown removed the launch directory, its last 64 KiB."""
+        if self._stderr_kept is not None:
+            return self._stderr_kept
         with contextlib.suppress(OSError), open(self._stderr_path, errors="replace") as handle:
             return handle.read()
         return ""
 
-    def shutdown(self, timeout: float = 5.0) -> int:
-        """SIGTERM, wait up to `timeout`, then SIGKILL; returns the exit code."""
-        code = stop_process(self.process, timeout)
-        if self._tmpdir is not None:
-            import shutil
+    def stderr_tail(self, limit: int = 4000) -> str:
+        """The end of the child's log, for error messages; never empty."""
+        text = self.stderr_text().strip()
+        return _tail(text, limit) if text else "(the coordinator wrote nothing to stderr)"
 
-            shutil.rmtree(self._tmpdir, ignore_errors=True)
-            self._tmpdir = None
-        return code
+    def shutdown(self, timeout: float | None = 5.0) -> int | None:
+        """Stop the child (see `stop_process`) and remove the launch directory.
+
+        Never raises, and may be called again. Returns the exit code: 0 for a
+        clean stop, a negative signal number for a killed child.
+        """
+        try:
+            return stop_process(self.process, timeout)
+        finally:
+            self._remove_launch_dir()
+
+    def _remove_launch_dir(self) -> None:
+        if self._tmpdir is None:
+            return
+        with contextlib.suppress(OSError), open(self._stderr_path, "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            handle.seek(max(0, handle.tell() - STDERR_TAIL_BYTES))
+            self._stderr_kept = handle.read().decode(errors="replace")
+        shutil.rmtree(self._tmpdir, ignore_errors=True)
+        self._tmpdir = None
 
     def __enter__(self) -> CoordinatorHandle:
         return self
@@ -93,11 +218,32 @@ def launch(
     log_level: str = "info",
     env: dict[str, str] | None = None,
 ) -> CoordinatorHandle:
-    """Spawn `python -m coordinator serve` and wait for its address file."""
+    """Spawn `python -m coordinator serve` and wait for its address file.
+
+    `extra_args` go after the launcher's own flags (so `--log-level` there wins
+    over `log_level`); a flag of `LAUNCHER_FLAGS` there raises
+    `LauncherFlagError` at once, since a second copy would contradict a
+    keyword. Start-up failures raise `LaunchError` with the end of the
+    child's log.
+    """
+    owned = find_flags(extra_args, LAUNCHER_FLAGS)
+    if owned:
+        raise LauncherFlagError(
+            f"extra_args repeat flags that launch() sets from its keywords: "
+            f"{describe_flags(owned)}; use the keywords engines, frontends, rank_start, "
+            f"addr_file, host and lockstep instead"
+        )
     tmpdir = None
+    args_tail = list(extra_args)
     if addr_file is None:
         tmpdir = tempfile.mkdtemp(prefix="dp-coordinator-launch-")
         addr_file = os.path.join(tmpdir, "addresses.json")
+        ipc_dir = os.path.join(tmpdir, "ipc")
+        if host is None and len(ipc_dir) <= _IPC_DIR_MAX and not find_flags(
+            extra_args, ("--ipc-dir",)
+        ):
+            # In the launch directory, so even a killed child leaves no socket files.
+            args_tail = ["--ipc-dir", ipc_dir, *args_tail]
     stderr_path = addr_file + ".stderr"
     args = [
         sys.executable, "-m", "coordinator", "serve",
@@ -111,21 +257,25 @@ def launch(
         args += ["--host", host]
     if not lockstep:
         args.append("--no-wave-coordination")
-    args += list(extra_args)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(addr_file)
-    with open(stderr_path, "wb") as stderr:
-        process = subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr,
-            env=env if env is not None else os.environ.copy(),
-        )
+    args += args_tail
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(addr_file)
+        with open(stderr_path, "wb") as stderr:
+            process = subprocess.Popen(
+                args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr,
+                env=env if env is not None else os.environ.copy(),
+            )
+    except BaseException:
+        if tmpdir is not None:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+        raise
     handle = CoordinatorHandle(process, {}, addr_file, stderr_path, tmpdir)
 
     def exited_early() -> None:
         if process.poll() is not None:
             raise LaunchError(
-                f"coordinator exited with code {process.returncode} during start-up:\n"
-                f"{handle.stderr_text()}"
+                f"the coordinator exited with code {process.returncode} during start-up"
             )
 
     try:
@@ -134,6 +284,12 @@ def launch(
     except AddressFileTimeout:
         handle.shutdown(timeout=2.0)
         raise LaunchError(
-            f"coordinator did not write {addr_file} within {timeout} s:\n{handle.stderr_text()}"
+            f"the coordinator did not write {addr_file} within {timeout:g} s; its log "
+            f"ends:\n{handle.stderr_tail()}"
         ) from None
+    except BaseException as exc:
+        handle.shutdown(timeout=2.0)
+        if isinstance(exc, LaunchError):
+            raise LaunchError(f"{exc}; its log ends:\n{handle.stderr_tail()}") from None
+        raise
     return handle

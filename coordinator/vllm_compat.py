@@ -51,11 +51,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO, Final
 
-from coordinator.launch import CoordinatorHandle, launch
+from coordinator.launch import (
+    LAUNCHER_FLAGS,
+    CoordinatorHandle,
+    LauncherFlagError,
+    describe_flags,
+    find_flags,
+    launch,
+    serve_option_names,
+)
 from coordinator.protocol.addresses import is_loopback_host
 
 __all__ = [
     "DEFAULT_STARTUP_TIMEOUT_S",
+    "DROPIN_FLAGS",
     "EXTRA_ARGS_ENV",
     "IPC",
     "PROCESS_NAME",
@@ -387,15 +396,22 @@ class _LogForwarder:
 
 def _serve_accepts(flag: str) -> bool:
     """Whether `dp-coordinator serve` knows `flag` (flags appear as the server grows)."""
-    import argparse
+    return flag in serve_option_names()
 
-    from coordinator.cli import build_parser
 
-    for action in build_parser()._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            serve = action.choices.get("serve")
-            return serve is not None and flag in serve._option_string_actions
-    return False
+DROPIN_FLAGS: Final = (*LAUNCHER_FLAGS, "--ipc-dir")
+"""`serve` flags the drop-in sets from vLLM's settings; extra flags may not repeat them."""
+
+
+def _refuse_dropin_flags(args: Sequence[str], source: str) -> None:
+    found = find_flags(args, DROPIN_FLAGS)
+    if found:
+        raise LauncherFlagError(
+            f"{source} sets {describe_flags(found)}, which the drop-in sets itself from "
+            f"vLLM's settings (ranks from data_parallel_size, the transport from vLLM's "
+            f"rule, ipc under VLLM_RPC_BASE_PATH, waves from enable_wave_coordination, "
+            f"its own address file); remove {'it' if len(found) == 1 else 'them'}"
+        )
 
 
 def _default_log_level() -> str:
@@ -407,7 +423,7 @@ def _stop_coordinator(
     handle: CoordinatorHandle,
     forwarder: _LogForwarder | None,
     owned_ipc_dir: str | None,
-    timeout: float,
+    timeout: float | None,
     owner_pid: int,
 ) -> None:
     if os.getpid() != owner_pid:
@@ -442,7 +458,9 @@ class DPCoordinatorProcess:
     `VLLM_LOGGING_LEVEL` unless `log_level` is given, and its log lines are
     copied to `log_sink` (the parent's stderr by default; None to stop that).
     Flags in the environment variable `DP_COORDINATOR_SERVE_ARGS` and
-    `extra_args` are passed on to `dp-coordinator serve`.
+    `extra_args` are passed on to `dp-coordinator serve` (`--log-level` there
+    wins); the flags of `DROPIN_FLAGS`, which the drop-in sets itself, are
+    refused at once with a `ValueError` naming them.
     """
 
     def __init__(
@@ -480,6 +498,12 @@ class DPCoordinatorProcess:
         self.enable_wave_coordination = bool(enable_wave_coordination)
         self._coord_store: object | None = None
 
+        # Refused before anything is made: a repeated flag would send the child's
+        # address file elsewhere (start-up waits for nothing) or contradict vLLM.
+        env_args = shlex.split(os.environ.get(EXTRA_ARGS_ENV, ""))
+        _refuse_dropin_flags(env_args, EXTRA_ARGS_ENV)
+        _refuse_dropin_flags(extra_args, "extra_args")
+
         host = self.plan.bind_host
         args = ["--vllm-compat", vllm_compat]
         owned_ipc_dir: str | None = None
@@ -492,7 +516,7 @@ class DPCoordinatorProcess:
                 )
                 ipc_dir = owned_ipc_dir
             args += ["--ipc-dir", ipc_dir]
-        args += shlex.split(os.environ.get(EXTRA_ARGS_ENV, ""))
+        args += env_args
         args += list(extra_args)
         if host is not None and self._needs_insecure(host, args):
             # Stock vLLM engines and API servers cannot do CURVE, and vLLM's own
@@ -556,17 +580,20 @@ class DPCoordinatorProcess:
     def shutdown(self, timeout: float | None = 5.0) -> None:
         """SIGTERM, wait up to `timeout` (None: 5 s), then SIGKILL. Idempotent.
 
-        Only the process that started the coordinator stops it; in a forked copy
-        this does nothing.
+        Never raises, as vLLM's `shutdown` calls it in a `finally`. However
+        small `timeout` is (vLLM passes 0 by default), the process gets
+        `coordinator.launch.SIGTERM_GRACE_S` to exit cleanly before SIGKILL;
+        either way its files are gone when this returns. Only the process that
+        started the coordinator stops it; in a forked copy this does nothing.
         """
         if self._finalizer.detach() is not None:
             _stop_coordinator(self._handle, self._forwarder, self._owned_ipc_dir,
-                              5.0 if timeout is None else timeout, self._owner_pid)
+                              timeout, self._owner_pid)
 
     # -- extras --
 
     def stderr_text(self) -> str:
-        """The child's log so far (until shutdown removes it)."""
+        """The child's log so far; after shutdown, its last 64 KiB."""
         return self._handle.stderr_text()
 
     def __repr__(self) -> str:

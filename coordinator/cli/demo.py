@@ -111,7 +111,7 @@ class SimProcess:
     def alive(self) -> bool:
         return self.process.poll() is None
 
-    def stop(self, timeout: float = 5.0) -> int:
+    def stop(self, timeout: float = 5.0) -> int | None:
         return stop_process(self.process, timeout)
 
     def reports(self) -> list[dict[str, Any]]:
