@@ -20,6 +20,7 @@ import contextlib
 import itertools
 import math
 import os
+import shlex
 import signal
 import sys
 import time
@@ -44,6 +45,9 @@ RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"
 SCENARIOS = ("wake", "first_request", "stats", "dispatch", "handshake", "cadence", "rss")
 PEER_SCENARIOS = ("wake", "stats", "cadence")
 ASYNCIO_SCENARIOS = ("wake", "first_request", "dispatch", "cadence")
+VLLM_PEER = "vllm"
+VLLM_PEER_LABEL = "vllm 0.33.0"
+DEFAULT_PEER_NAME = "peer"
 
 # Issue 4's targets for this 2-core machine.
 TARGET_WAKE_P99_US = 1000.0
@@ -814,11 +818,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"run only this scenario (repeatable): {', '.join(SCENARIOS)}")
     parser.add_argument("--peer", default=None, metavar="COMMAND",
                         help="also drive this coordinator through scenarios "
-                        f"{', '.join(PEER_SCENARIOS)}; '{{addr_file}}' and '{{engines}}' are "
-                        "substituted; it must write an address file with back_output, "
-                        "back_publish and front_publish")
-    parser.add_argument("--peer-name", default="peer", metavar="LABEL",
-                        help="what to call the peer in the JSON files (default: peer)")
+                        f"{', '.join(PEER_SCENARIOS)}: '{VLLM_PEER}' for vLLM 0.33's own "
+                        "coordinator (unmodified, from its wheel, fetched into a cache on "
+                        "first use), or a command line in which '{addr_file}' and "
+                        "'{engines}' are substituted that writes an address file with "
+                        "back_output, back_publish and front_publish")
+    parser.add_argument("--peer-name", default=DEFAULT_PEER_NAME, metavar="LABEL",
+                        help="what to call the peer in the JSON files (default: "
+                        f"{DEFAULT_PEER_NAME}, or {VLLM_PEER_LABEL!r} for --peer {VLLM_PEER})")
     parser.add_argument("--no-uvloop", action="store_true",
                         help="run our coordinator on plain asyncio only (no uvloop on/off "
                         "comparison)")
@@ -830,6 +837,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="where to write results (default bench/results)")
     parser.add_argument("--no-figure", action="store_true", help="skip summary.png")
     return parser.parse_args(argv)
+
+
+def vllm_peer_command() -> str | None:
+    """The command that runs vLLM's own coordinator, with its wheel in the cache; None if absent.
+
+    The wheel is fetched here, before any target starts, so that no timed
+    start-up waits for a 336 MB download.
+    """
+    from tools import vllm_wheel
+
+    log(f"peer: vLLM {vllm_wheel.VLLM_VERSION}'s coordinator from its wheel "
+        f"(cache {vllm_wheel.cache_dir()})")
+    try:
+        vllm_wheel.extract(vllm_wheel.COORDINATOR_REAL)
+    except vllm_wheel.WheelUnavailable as exc:
+        log(f"peer vllm skipped: {exc}")
+        return None
+    return (f"{shlex.quote(sys.executable)} -m bench.vllm_peer --engines {{engines}} "
+            "--addr-file {addr_file}")
 
 
 def _interrupt(*_: object) -> None:
@@ -865,11 +891,18 @@ def main(argv: list[str] | None = None) -> int:
             specs.append(OURS_ASYNCIO)
     if not args.no_floor:
         specs.append(FLOOR)
+    peer_label = None
     if args.peer:
-        specs.append(peer_spec(args.peer))
+        command: str | None = args.peer
         peer_label = args.peer_name
-    else:
-        peer_label = None
+        if args.peer == VLLM_PEER:
+            command = vllm_peer_command()
+            if peer_label == DEFAULT_PEER_NAME:
+                peer_label = VLLM_PEER_LABEL
+        if command is not None:
+            specs.append(peer_spec(command))
+        else:
+            peer_label = None
     raise_fd_limit()
     command = "python -m bench " + " ".join(sys.argv[1:] if argv is None else argv)
     bench = Bench(plan, args.out, specs, command.strip(), peer_label)

@@ -182,7 +182,9 @@ def start_target(spec: TargetSpec, *, engines: int, mode: str, timeout: float = 
     with open(stderr_path, "wb") as stderr:
         process = subprocess.Popen(
             argv, shell=isinstance(argv, str), stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=group, env=env,
+            # A peer may log to stdout (vLLM does): keep it with stderr for the tail.
+            stdout=stderr if spec.kind == "peer" else subprocess.DEVNULL, stderr=stderr,
+            start_new_session=group, env=env,
             preexec_fn=_die_with_parent,
         )
     target = RunningTarget(spec, engines, process, {}, workdir, stderr_path, group)

@@ -222,7 +222,7 @@ def module_member(name: str, members: set[str]) -> str | None:
 
 
 def extract(modules: Iterable[str], cache: str | os.PathLike[str] | None = None, *,
-            download: bool = True) -> Path:
+            download: bool = True, timeout_s: float = DOWNLOAD_TIMEOUT_S) -> Path:
     """Extract the source files of `modules` (dotted names) and return the source root.
 
     Files already extracted are kept; the wheel is opened only when one is
@@ -234,7 +234,7 @@ def extract(modules: Iterable[str], cache: str | os.PathLike[str] | None = None,
     missing = [m for m in wanted if _extracted(root, m) is None]
     if not missing:
         return root
-    wheel = ensure_wheel(cache, download=download)
+    wheel = ensure_wheel(cache, download=download, timeout_s=timeout_s)
     with zipfile.ZipFile(wheel) as archive:
         members = set(archive.namelist())
         for name in missing:

@@ -57,3 +57,31 @@ def test_unknown_scenario_is_refused(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert "unknown scenario 'nonsense'" in result.stderr
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.timeout(900)
+def test_vllm_peer_runs_through_the_peer_scenarios(tmp_path: Path) -> None:
+    """vLLM 0.33's unmodified coordinator is driven like ours, in the same run."""
+    from tools import vllm_wheel
+
+    try:
+        vllm_wheel.extract(vllm_wheel.COORDINATOR_REAL, timeout_s=600)
+    except vllm_wheel.WheelUnavailable as exc:
+        pytest.skip(f"vLLM {vllm_wheel.VLLM_VERSION} wheel unavailable: {exc}")
+    result = run_bench(tmp_path, "--no-floor", "--peer", "vllm", "--scenario", "wake",
+                       "--scenario", "cadence", "--no-figure")
+    assert result.returncode == 0, result.stderr[-3000:]
+    for scenario in ("wake", "cadence"):
+        data = json.loads((tmp_path / f"{scenario}.json").read_text())
+        assert data["targets"] == ["ours", "peer"]
+        assert data["peer"] == "vllm 0.33.0"
+        case = data["cases"][0]
+        assert "ours/peer" in case["ratios"]
+    wake = json.loads((tmp_path / "wake.json").read_text())["cases"][0]["targets"]["peer"]
+    # Every wake reached every engine, with vLLM's own wave numbers in the payload.
+    assert wake["median"]["n"] == 20 and wake["median"]["bad_payloads"] == 0
+    cadence = json.loads((tmp_path / "cadence.json").read_text())["cases"][0]
+    assert cadence["targets"]["peer"]["median"]["absorbed_per_s"] > 0
+    summary = (tmp_path / "SUMMARY.md").read_text()
+    assert "*peer* is vllm 0.33.0" in summary
+    assert "| Wake latency p50, N=4 (µs) |" in summary
