@@ -42,6 +42,20 @@ from bench.targets import (
 )
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def output_dir(mode: str, requested: str | None) -> str:
+    """Where a run of `mode` writes; the committed results are a full run's alone.
+
+    Raises ValueError if a quick or smoke run is pointed at them.
+    """
+    if requested is None:
+        return RESULTS_DIR if mode == "full" else os.path.join(RESULTS_DIR, mode)
+    if mode != "full" and os.path.realpath(requested) == os.path.realpath(RESULTS_DIR):
+        raise ValueError(f"a {mode} run must not overwrite the full results in {RESULTS_DIR}; "
+                         f"leave --out out (it writes {os.path.join(RESULTS_DIR, mode)}) or "
+                         "pick another directory")
+    return requested
 SCENARIOS = ("wake", "first_request", "stats", "dispatch", "handshake", "cadence", "rss")
 PEER_SCENARIOS = ("wake", "stats", "cadence")
 ASYNCIO_SCENARIOS = ("wake", "first_request", "dispatch", "cadence")
@@ -833,8 +847,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="skip the uvloop on/off comparison (faster)")
     parser.add_argument("--no-floor", action="store_true", help="skip the floor baseline")
     parser.add_argument("--reps", type=int, default=None, help="repetitions per measurement")
-    parser.add_argument("--out", default=RESULTS_DIR, metavar="DIR",
-                        help="where to write results (default bench/results)")
+    parser.add_argument("--out", default=None, metavar="DIR",
+                        help="where to write results (default: bench/results for a full run, "
+                        "bench/results/quick or bench/results/smoke, both git-ignored, for "
+                        "the others; only a full run may write bench/results)")
     parser.add_argument("--no-figure", action="store_true", help="skip summary.png")
     return parser.parse_args(argv)
 
@@ -882,6 +898,11 @@ def main(argv: list[str] | None = None) -> int:
     plan = SMOKE if args.smoke else QUICK if args.quick else FULL
     if args.reps is not None:
         plan = replace(plan, reps=max(1, args.reps))
+    try:
+        out_dir = output_dir(plan.mode, args.out)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
     specs: list[TargetSpec] = []
     if args.no_uvloop or not uvloop_available():
         specs.append(replace(OURS_ASYNCIO, name="ours"))
@@ -905,7 +926,7 @@ def main(argv: list[str] | None = None) -> int:
             peer_label = None
     raise_fd_limit()
     command = "python -m bench " + " ".join(sys.argv[1:] if argv is None else argv)
-    bench = Bench(plan, args.out, specs, command.strip(), peer_label)
+    bench = Bench(plan, out_dir, specs, command.strip(), peer_label)
     started = time.monotonic()
     log(f"{plan.mode} run: scenarios {', '.join(chosen)}; targets "
         f"{', '.join(s.name for s in specs)}; {plan.reps} repetition(s)")
@@ -928,6 +949,6 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     from bench import summary
 
-    summary.write_summary(args.out, figure=not args.no_figure)
+    summary.write_summary(out_dir, figure=not args.no_figure)
     log(f"done in {time.monotonic() - started:.1f} s")
     return 1 if failed else 0

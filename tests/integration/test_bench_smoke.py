@@ -85,3 +85,35 @@ def test_vllm_peer_runs_through_the_peer_scenarios(tmp_path: Path) -> None:
     summary = (tmp_path / "SUMMARY.md").read_text()
     assert "*peer* is vllm 0.33.0" in summary
     assert "| Wake latency p50, N=4 (µs) |" in summary
+
+
+@pytest.mark.parametrize("mode", ["--quick", "--smoke"])
+def test_a_short_run_refuses_to_overwrite_the_committed_results(mode: str) -> None:
+    from bench.run import RESULTS_DIR
+
+    results = Path(RESULTS_DIR)
+    before = {p.name: p.stat().st_mtime_ns for p in results.iterdir() if p.is_file()}
+    env = os.environ.copy()
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    result = subprocess.run(
+        [sys.executable, "-m", "bench", mode, "--scenario", "wake", "--out", str(results)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 2
+    assert "must not overwrite the full results" in result.stderr
+    after = {p.name: p.stat().st_mtime_ns for p in results.iterdir() if p.is_file()}
+    assert after == before
+
+
+def test_short_runs_write_to_git_ignored_directories_by_default() -> None:
+    from bench.run import RESULTS_DIR, output_dir
+
+    assert output_dir("full", None) == RESULTS_DIR
+    for mode in ("quick", "smoke"):
+        where = output_dir(mode, None)
+        assert Path(where) == Path(RESULTS_DIR) / mode
+        probe = os.path.relpath(os.path.join(where, "wake.json"), REPO)
+        ignored = subprocess.run(["git", "check-ignore", "-q", probe], cwd=REPO,
+                                 capture_output=True, timeout=30, check=False)
+        if ignored.returncode == 128:
+            pytest.skip("not a git checkout")
+        assert ignored.returncode == 0, f"{probe} is not git-ignored"
