@@ -10,6 +10,7 @@ sockets), so vLLM's own coordinator can be plugged in behind a small wrapper.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shlex
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,6 +44,7 @@ class TargetSpec:
     kind: str  # "ours", "floor" or "peer"
     loop: str = "uvloop"  # ours only: "uvloop" or "asyncio"
     command: str = ""  # peer only
+    args: tuple[str, ...] = ()  # floor only: extra command-line arguments
 
     @property
     def label(self) -> str:
@@ -51,6 +54,9 @@ class TargetSpec:
 OURS = TargetSpec("ours", "ours")
 OURS_ASYNCIO = TargetSpec("ours-asyncio", "ours", loop="asyncio")
 FLOOR = TargetSpec("floor", "floor")
+# The floor taking its input in 1 ms batches: what a coordinator that coalesces
+# its reads could get down to in CPU, at up to 1 ms more latency.
+FLOOR_BATCHED = TargetSpec("floor-batched", "floor", args=("--coalesce-ms", "1"))
 
 
 def peer_spec(command: str) -> TargetSpec:
@@ -86,6 +92,35 @@ def ours_command(spec: TargetSpec, engines: int, addr_file: str) -> list[str]:
     return [sys.executable, "-m", "coordinator", *serve_args]
 
 
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """utime + stime of `pid` in seconds (/proc/<pid>/stat fields 14 and 15)."""
+    with open(f"/proc/{pid}/stat") as handle:
+        # The command name (field 2) may hold spaces; the fields after it do not.
+        fields = handle.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+
+
+def threads_cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds of `pid` split into libzmq's background threads and the rest.
+
+    libzmq names its I/O and reaper threads `ZMQbg/...`; what remains is the
+    interpreter (the event loop and anything it started).
+    """
+    out = {"zmq_threads": 0.0, "python_threads": 0.0}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/task/{tid}/stat") as handle:
+                head, _, rest = handle.read().rpartition(")")
+            fields = rest.split()
+            seconds = (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+            key = "zmq_threads" if "ZMQbg" in head else "python_threads"
+            out[key] += seconds
+    return out
+
+
 def _die_with_parent() -> None:
     """In the child before exec: get SIGTERM if the bench process dies (Linux only).
 
@@ -99,6 +134,15 @@ def _die_with_parent() -> None:
         libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
     except (OSError, AttributeError):
         pass
+
+
+def _child_setup(nofile_soft: int | None) -> None:
+    _die_with_parent()
+    if nofile_soft is not None:
+        import resource
+
+        _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(nofile_soft, hard), hard))
 
 
 @dataclass
@@ -134,6 +178,17 @@ class RunningTarget:
                     values[key] = int(rest.split()[0])
         return values
 
+    def cpu_seconds(self) -> float:
+        """User + system CPU time of the target process (all its threads), from /proc."""
+        return process_cpu_seconds(self.pid)
+
+    def threads_cpu_seconds(self) -> dict[str, float]:
+        return threads_cpu_seconds(self.pid)
+
+    def fd_count(self) -> int:
+        """Open file descriptors of the target process, from /proc."""
+        return len(os.listdir(f"/proc/{self.pid}/fd"))
+
     def stop(self, timeout: float = 5.0) -> None:
         if self.process.poll() is None:
             self._signal(signal.SIGTERM)
@@ -154,19 +209,25 @@ class RunningTarget:
                 self.process.send_signal(signum)
 
 
-def start_target(spec: TargetSpec, *, engines: int, mode: str, timeout: float = 60.0
+def start_target(spec: TargetSpec, *, engines: int, mode: str, timeout: float = 60.0,
+                 extra_args: Sequence[str] = (), nofile_soft: int | None = None
                  ) -> RunningTarget:
-    """Start `spec` for `engines` engines and wait for its address file."""
+    """Start `spec` for `engines` engines and wait for its address file.
+
+    `extra_args` go to our coordinator's command line (e.g. `--host 127.0.0.1`
+    for tcp); `nofile_soft` sets the target's soft RLIMIT_NOFILE, to see how
+    it fares under a limit other than the harness's raised one.
+    """
     workdir = tempfile.mkdtemp(prefix=f"bench-{spec.name}-")
     addr_file = os.path.join(workdir, "addresses.json")
     stderr_path = os.path.join(workdir, "stderr.log")
     group = False
     if spec.kind == "ours":
-        argv: list[str] | str = ours_command(spec, engines, addr_file)
+        argv: list[str] | str = [*ours_command(spec, engines, addr_file), *extra_args]
         keys = ALL_KEYS
     elif spec.kind == "floor":
         argv = [sys.executable, "-m", "bench.floor", "--mode", mode, "--engines", str(engines),
-                "--addr-file", addr_file]
+                "--addr-file", addr_file, *spec.args]
         keys = ALL_KEYS
     elif spec.kind == "peer":
         argv = spec.command.replace("{addr_file}", shlex.quote(addr_file)).replace(
@@ -185,7 +246,7 @@ def start_target(spec: TargetSpec, *, engines: int, mode: str, timeout: float = 
             # A peer may log to stdout (vLLM does): keep it with stderr for the tail.
             stdout=stderr if spec.kind == "peer" else subprocess.DEVNULL, stderr=stderr,
             start_new_session=group, env=env,
-            preexec_fn=_die_with_parent,
+            preexec_fn=functools.partial(_child_setup, nofile_soft),
         )
     target = RunningTarget(spec, engines, process, {}, workdir, stderr_path, group)
     deadline = time.monotonic() + timeout
