@@ -117,3 +117,43 @@ def test_short_runs_write_to_git_ignored_directories_by_default() -> None:
         if ignored.returncode == 128:
             pytest.skip("not a git checkout")
         assert ignored.returncode == 0, f"{probe} is not git-ignored"
+
+
+@pytest.mark.timeout(180)
+def test_scale_and_cpu_scenarios_measure_what_they_say(tmp_path: Path) -> None:
+    result = run_bench(tmp_path, "--scenario", "scale", "--scenario", "cpu", "--no-figure")
+    assert result.returncode == 0, result.stderr[-3000:]
+    scale = json.loads((tmp_path / "scale.json").read_text())
+    n = scale["parameters"]["engines"]
+    assert scale["targets"] == ["ours", "floor"]
+    ours = scale["cases"][0]["targets"]["ours"]["median"]
+    floor = scale["cases"][0]["targets"]["floor"]["median"]
+    for got in (ours, floor):
+        assert got["all_ready_ms"] > 0 and got["fds_after_handshake"] > got["fds_idle"]
+        # Every wake reached every rank of every engine process.
+        assert got["wake_n"] == scale["parameters"]["wakes_per_repetition"]
+        assert got["wake_missing"] == 0 and got["wake_bad_payloads"] == 0
+    # One row per rank in the full publish, seen by every frontend.
+    assert ours["publish_rows"] == n and ours["publish_bytes"] > 0
+    assert ours["publishes_per_frontend_min"] >= 1
+    assert ours["rss_end_mib"] > 0 and ours["stats_caught_up_after_s"] is not None
+    fds = scale["file_descriptors"]
+    for transport in ("ipc", "tcp"):
+        entry = fds[transport]
+        assert entry["handshake"] == "complete" and entry["alive"]
+        # At least one descriptor per rank's connection on each of the three engine sockets.
+        assert entry["peak"] >= entry["idle"] + 3 * n
+    assert fds["ipc_soft_limit_1024"]["handshake"] == "complete"  # 16 ranks fit in 1,024
+    cpu = json.loads((tmp_path / "cpu.json").read_text())
+    assert cpu["targets"] == ["ours", "floor", "floor-batched"]
+    for name, target in cpu["cases"][0]["targets"].items():
+        got = target["median"]
+        assert got["submit_errors"] == 0 and got["unanswered"] == 0, name
+        assert got["adds_received"] > 0 and got["stats_sent_per_s"] > 0, name
+        # CPU is read per thread too (libzmq's and the interpreter's); no figure is judged.
+        assert got["zmq_threads_cpu_pct"] >= 0 and got["python_threads_cpu_pct"] >= 0, name
+    summary = (tmp_path / "SUMMARY.md").read_text()
+    assert f"| {n} ranks: handshake, all READY (ms) |" in summary
+    assert f"| {n} ranks: descriptors, handshake peak / after, tcp |" in summary
+    assert "| CPU, 8 ranks x 50 stats/s + 200 submits/s (% of one core) |" in summary
+    assert "floor reading in 1 ms batches" in summary
