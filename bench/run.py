@@ -1,7 +1,7 @@
 """Run the benchmark scenarios and write bench/results/.
 
-    python -m bench                 # full run, under 15 minutes on 2 cores
-    python -m bench --quick         # about a minute
+    python -m bench --peer vllm     # full run with vLLM 0.33's coordinator beside ours
+    python -m bench --quick         # a few minutes; writes bench/results/quick/
     python -m bench --scenario wake --scenario stats
     python -m bench --peer 'python my_coord.py --engines {engines} --addr-file {addr_file}'
 
@@ -10,7 +10,8 @@ asyncio, the floor, a peer) as its own process, drives it from separate load
 processes over ipc, warms up, then alternates repetitions between the targets
 so that drift in a shared machine hits them alike. Figures are medians over
 repetitions with [min, max] as the spread, and every figure is also given as
-a ratio against the floor measured in the same run.
+a ratio against the floor measured in the same run. Only a full run writes
+the committed results; quick and smoke runs go to git-ignored directories.
 """
 
 from __future__ import annotations
