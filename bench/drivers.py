@@ -201,9 +201,10 @@ class Engines:
     def flood(self, rate: float | None, duration: float) -> dict[str, Any]:
         """Send stats round-robin over this set's engines at `rate` msgs/s (None: flat out).
 
-        Each engine's `num_waiting_reqs` and `step_counter` carry its
-        cumulative message count, so the monitor can read ingestion progress
-        back from the coordinator's publishes.
+        Each engine's `num_waiting_reqs` carries its cumulative message count,
+        so the monitor can read ingestion progress back from the
+        coordinator's publishes; `step_counter` is the group step of the
+        moment (`wire.lockstep_step`), the same for every rank.
         """
         pushes = self.push
         templates = self.templates
@@ -229,9 +230,10 @@ class Engines:
                     time.sleep(max(0.0, min(0.0005, (sent + 1) / rate - (now - t0))))
                     continue
                 burst = min(burst, burst_cap)
+            step = wire.lockstep_step(time.perf_counter_ns())
             for _ in range(burst):
                 counters[i] += 1
-                pushes[i].send(templates[i].set_counter(counters[i]))
+                pushes[i].send(templates[i].set_counter(counters[i], step))
                 i += 1
                 if i == n:
                     i = 0
