@@ -954,6 +954,10 @@ class Worker:
         self.conn.send((method, args))
         self._busy = True
 
+    def answered(self) -> bool:
+        """True once the call begun with `begin` has an answer (or the worker died)."""
+        return self.conn.poll(0)
+
     def end(self, timeout: float = 120.0) -> Any:
         self._busy = False
         return self._take(timeout)

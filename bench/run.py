@@ -993,7 +993,9 @@ class Bench:
             f"of {COMMON_SOFT_NOFILE})")
         runs: list[tuple[str, tuple[str, ...], int | None]] = [
             ("ipc", (), None), ("tcp", ("--host", "127.0.0.1"), None),
-            (f"ipc_soft_limit_{COMMON_SOFT_NOFILE}", (), COMMON_SOFT_NOFILE)]
+            (f"ipc_soft_limit_{COMMON_SOFT_NOFILE}", (), COMMON_SOFT_NOFILE),
+            (f"tcp_soft_limit_{COMMON_SOFT_NOFILE}", ("--host", "127.0.0.1"),
+             COMMON_SOFT_NOFILE)]
         for key, extra, soft in runs:
             try:
                 target = start_target(ours, engines=n, mode="handshake", extra_args=extra,
@@ -1010,7 +1012,8 @@ class Bench:
                 entry: dict[str, Any] = {"idle": idle}
                 with ProcSampler(target) as sampler:
                     try:
-                        _handshake_all(workers, timeout_s=30.0 if soft else 120.0)
+                        _handshake_all(workers, timeout_s=20.0 if soft else 120.0,
+                                       target=target)
                         entry["handshake"] = "complete"
                     except DriverError as exc:
                         entry["handshake"] = "failed"
@@ -1063,6 +1066,9 @@ class Bench:
             for rep in range(plan.reps):
                 for session in self.rotations(sessions, rep):
                     got = self._cpu_round(session, plan.cpu_warmup_s, plan.cpu_window_s)
+                    if not got["offered_load_met"]:
+                        log(f"  {session.name}: the load processes fell behind (machine "
+                            "busy); this repetition ran below the asked load")
                     reps.setdefault(session.name, []).append(got)
                     log(f"  {session.name}: {got['coordinator_cpu_pct']}% of a core "
                         f"(libzmq threads {got['zmq_threads_cpu_pct']}%; load processes "
@@ -1156,6 +1162,11 @@ class Bench:
             "publish_p50_ms": round(report.percentile(intervals, 50), 2),
             "publish_p99_ms": round(report.percentile(intervals, 99), 2),
             "load_1m": round(os.getloadavg()[0], 2),
+            # A starved load process sends less than asked, and the target then works less.
+            "offered_load_met": (
+                sum(f["sent"] for f in floods) / flood_s >= 0.95 * plan.cpu_stats_hz * sum(
+                    len(share) for share in shares)
+                and paced["sent"] / paced_s >= 0.95 * plan.cpu_submits_per_s),
         }
 
 
@@ -1196,10 +1207,23 @@ def _blocks(n: int, parts: int) -> list[list[int]]:
     return [list(range(i * n // parts, (i + 1) * n // parts)) for i in range(parts)]
 
 
-def _handshake_all(group: list[Worker], timeout_s: float = 120.0) -> list[dict[str, Any]]:
-    """Begin the handshake on every share, then wait for all (the gate needs every rank)."""
+def _handshake_all(group: list[Worker], timeout_s: float = 120.0,
+                   target: RunningTarget | None = None) -> list[dict[str, Any]]:
+    """Begin the handshake on every share, then wait for all (the gate needs every rank).
+
+    With `target`, stop waiting as soon as that process has exited.
+    """
     for w in group:
         w.begin("handshake", timeout_s=timeout_s)
+    if target is not None:
+        deadline = time.monotonic() + timeout_s + 60
+        while not all(w.answered() for w in group):
+            if not target.alive():
+                raise DriverError(f"{target.spec.name} exited with "
+                                  f"{target.process.returncode} during the handshake")
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
     return [w.end(timeout_s + 60) for w in group]
 
 

@@ -222,19 +222,21 @@ def notes(results: dict[str, dict[str, Any]]) -> list[str]:
     scale = results.get("scale")
     fds = (scale or {}).get("file_descriptors") or {}
     for key, entry in fds.items():
-        if not key.startswith("ipc_soft_limit_") or not isinstance(entry, dict):
+        if "_soft_limit_" not in key or not isinstance(entry, dict):
             continue
+        transport = key.split("_", 1)[0]
         n = scale["cases"][0]["params"]["engines"] if scale else "?"
+        limit = f"{entry.get('soft_limit'):,}"
         if entry.get("handshake") == "complete":
-            out.append(f"- Under a soft RLIMIT_NOFILE of {entry.get('soft_limit'):,}, our "
+            out.append(f"- Under a soft RLIMIT_NOFILE of {limit}, over {transport}, our "
                        f"coordinator served all {n:,} ranks.")
-        else:
-            tail = " ".join((entry.get("log_tail") or "").split())[-200:]
-            exited = "exited" if entry.get("alive") is False else "stayed up"
-            out.append(f"- Under a soft RLIMIT_NOFILE of {entry.get('soft_limit'):,} (the usual "
-                       f"default) our coordinator did not serve {n:,} ranks: the handshake "
-                       f"{entry.get('handshake')} and the process {exited}"
-                       + (f" (`{tail}`)" if tail else "") + ".")
+            continue
+        tail = " ".join((entry.get("log_tail") or "").split())[-200:]
+        fate = ("exited" + (f" (`{tail}`)" if tail else "") if entry.get("alive") is False
+                else "stayed up" + (f" (log: `{tail}`)" if tail else " and logged nothing"))
+        out.append(f"- Under a soft RLIMIT_NOFILE of {limit} (the usual default), over "
+                   f"{transport}, our coordinator did not serve {n:,} ranks: the handshake "
+                   f"{entry.get('handshake')} and the process {fate}.")
     cpu = results.get("cpu")
     if cpu and "floor-batched" in cpu.get("targets", []):
         out.append("- *floor reading in 1 ms batches*: the floor process sleeping 1 ms after "
