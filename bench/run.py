@@ -1314,7 +1314,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description="Benchmark the coordinator against a no-logic floor (and a peer) in the "
         "same run; write bench/results/<scenario>.json, summary.png and SUMMARY.md.",
     )
-    parser.add_argument("--quick", action="store_true", help="about a minute: fewer "
+    parser.add_argument("--quick", action="store_true", help="a few minutes: fewer "
                         "repetitions and shorter runs")
     parser.add_argument("--smoke", action="store_true", help="tiny counts, seconds per "
                         "scenario: only checks that the harness runs (for tests)")
