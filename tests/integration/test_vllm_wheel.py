@@ -158,3 +158,31 @@ def test_kv_event_structs_round_trip_with_their_hash_alias_from_source(
             block_size=16, lora_id=None, medium="GPU", lora_name=None)])
         back = msgspec.msgpack.Decoder(kv.KVEventBatch).decode(msgspec.msgpack.encode(batch))
         assert back == batch
+
+
+def test_vllms_socket_factory_works_through_the_stand_ins(shared_wheel: Path,
+                                                          tmp_path: Path) -> None:
+    """`make_zmq_socket` acts on psutil's and urllib3's answers; the stand-ins must agree."""
+    import zmq
+
+    with vllm_wheel.vllm_modules("vllm.utils.network_utils") as mods:
+        net = mods["vllm.utils.network_utils"]
+        assert net.split_zmq_path("tcp://127.0.0.1:5555") == ("tcp", "127.0.0.1", "5555")
+        assert net.split_zmq_path("tcp://[::1]:5555") == ("tcp", "::1", "5555")
+        assert net.split_zmq_path(f"ipc://{tmp_path}/x") == ("ipc", "", "")
+        with pytest.raises(ValueError, match="Invalid zmq path"):
+            net.split_zmq_path("tcp://127.0.0.1")
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        try:
+            pull = net.make_zmq_socket(ctx, f"ipc://{tmp_path}/pull", zmq.PULL, bind=True)
+            xpub = net.make_zmq_socket(ctx, f"ipc://{tmp_path}/xpub", zmq.XPUB, bind=True)
+            assert pull.getsockopt(zmq.RCVHWM) == 0
+            assert pull.getsockopt(zmq.LAST_ENDPOINT).decode() == f"ipc://{tmp_path}/pull"
+            push = ctx.socket(zmq.PUSH)
+            push.connect(f"ipc://{tmp_path}/pull")
+            push.send(b"through vLLM's socket")
+            assert pull.poll(5000) and pull.recv() == b"through vLLM's socket"
+            for sock in (pull, xpub, push):
+                sock.close(0)
+        finally:
+            ctx.term()
