@@ -1124,7 +1124,7 @@ class Bench:
         generators = [*group, frontends, monitor]
         duration = warmup + window + 0.3
         t_before = monitor.call("now_ns")
-        sunk_before = sum(w.call("sink_counts")["received"] for w in group)
+        counts_before = [w.call("sink_counts") for w in group]
         for w, share in zip(group, shares, strict=True):
             w.begin("flood", rate=plan.cpu_stats_hz * len(share), duration=duration)
         frontends.begin("paced", rate=plan.cpu_submits_per_s, duration=duration)
@@ -1137,7 +1137,11 @@ class Bench:
         t1 = target.threads_cpu_seconds()
         floods = [w.end(duration + 60) for w in group]
         paced = frontends.end(duration + 60)
-        sunk = sum(w.call("sink_counts")["received"] for w in group) - sunk_before
+        counts_after = [w.call("sink_counts") for w in group]
+        sunk = sum(c["received"] for c in counts_after) - sum(
+            c["received"] for c in counts_before)
+        # START_DP_WAVE seen by all ranks together: a running group needs none.
+        wakes = sum(c["wakes"] for c in counts_after) - sum(c["wakes"] for c in counts_before)
         t_start = min(f["t_start_ns"] for f in floods)
         t_end = max(f["t_end_ns"] for f in floods)
         points = monitor.call("publishes", since_ns=t_before)
@@ -1159,6 +1163,7 @@ class Bench:
             "submits_ok_per_s": round(paced["ok"] / paced_s, 1),
             "submit_errors": paced["errors"], "first_error": paced["first_error"],
             "unanswered": paced["unanswered"], "adds_received": sunk,
+            "wake_messages_received": wakes,
             "publish_p50_ms": round(report.percentile(intervals, 50), 2),
             "publish_p99_ms": round(report.percentile(intervals, 99), 2),
             "load_1m": round(os.getloadavg()[0], 2),
