@@ -997,6 +997,13 @@ class Bench:
             (f"tcp_soft_limit_{COMMON_SOFT_NOFILE}", ("--host", "127.0.0.1"),
              COMMON_SOFT_NOFILE)]
         for key, extra, soft in runs:
+            if soft is not None and "ipc" in out and out["ipc"].get("peak"):
+                # Descriptors grow by about 4 per rank during a simultaneous handshake.
+                ipc = out["ipc"]
+                per_rank = (ipc["peak"] - ipc["idle"]) / n
+                out["peak_per_rank"] = round(per_rank, 2)
+                out["ranks_within_usual_soft_limit"] = int(
+                    (COMMON_SOFT_NOFILE - ipc["idle"]) // per_rank)
             try:
                 target = start_target(ours, engines=n, mode="handshake", extra_args=extra,
                                       nofile_soft=soft)

@@ -237,6 +237,11 @@ def notes(results: dict[str, dict[str, Any]]) -> list[str]:
         out.append(f"- Under a soft RLIMIT_NOFILE of {limit} (the usual default), over "
                    f"{transport}, our coordinator did not serve {n:,} ranks: the handshake "
                    f"{entry.get('handshake')} and the process {fate}.")
+    if fds.get("ranks_within_usual_soft_limit") is not None:
+        out.append(f"- Descriptors grow by {fds['peak_per_rank']:g} per rank while ranks "
+                   "handshake at once, so a soft limit of "
+                   f"{fds['usual_default_soft_limit']:,} holds about "
+                   f"{fds['ranks_within_usual_soft_limit']:,} ranks.")
     cpu = results.get("cpu")
     if cpu and "floor-batched" in cpu.get("targets", []):
         out.append("- *floor reading in 1 ms batches*: the floor process sleeping 1 ms after "
