@@ -231,7 +231,9 @@ def notes(results: dict[str, dict[str, Any]]) -> list[str]:
             out.append(f"- Under a soft RLIMIT_NOFILE of {limit}, over {transport}, our "
                        f"coordinator served all {n:,} ranks.")
             continue
-        tail = " ".join((entry.get("log_tail") or "").split())[-200:]
+        lines = [line.strip() for line in (entry.get("log_tail") or "").splitlines()
+                 if line.strip()]
+        tail = lines[-1][-200:] if lines else ""
         fate = ("exited" + (f" (`{tail}`)" if tail else "") if entry.get("alive") is False
                 else "stayed up" + (f" (log: `{tail}`)" if tail else " and logged nothing"))
         out.append(f"- Under a soft RLIMIT_NOFILE of {limit} (the usual default), over "
