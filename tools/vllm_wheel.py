@@ -81,15 +81,16 @@ COORDINATOR_REAL = (
 KV_EVENTS_REAL = (*COORDINATOR_REAL, "vllm.distributed.kv_events",
                   "vllm.v1.core.kv_cache_utils")
 
-# Third-party packages that are always stubbed: too heavy to install for a
-# benchmark, and not on any code path that is run.
+# Third-party packages that are stubbed unless already imported: too heavy to
+# install for a benchmark, and (but for the two below) on no code path that runs.
 HEAVY_PACKAGES = frozenset({
     "torch", "numpy", "cloudpickle", "pydantic", "pydantic_core", "psutil", "urllib3",
     "transformers", "triton", "ray", "PIL", "huggingface_hub", "tokenizers", "safetensors",
     "fastapi", "starlette", "uvicorn", "openai", "aiohttp", "regex", "cbor2", "setproctitle",
     "xxhash", "blake3", "einops", "scipy", "cachetools", "opentelemetry",
 })
-# Of those, these get stand-ins that behave, if the real package is missing.
+# Of those, these are used for real when installed, and otherwise get stand-ins
+# that behave, since vLLM's socket factory acts on what they return.
 SHIMMED_PACKAGES = ("psutil", "urllib3")
 
 
