@@ -197,9 +197,29 @@ class RunningTarget:
             except subprocess.TimeoutExpired:
                 self._signal(signal.SIGKILL)
                 self.process.wait(timeout)
+        if self.group:
+            # The shell that led the group may be gone while what it started is not.
+            deadline = time.monotonic() + timeout
+            while self._group_alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if self._group_alive():
+                self._signal(signal.SIGKILL)
         import shutil
 
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def _group_alive(self) -> bool:
+        """True while a process of the target's group still runs (zombies aside)."""
+        pgid = str(self.process.pid)
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{entry}/stat") as handle:
+                    fields = handle.read().rpartition(")")[2].split()
+                if fields[2] == pgid and fields[0] != "Z":
+                    return True
+        return False
 
     def _signal(self, signum: int) -> None:
         with contextlib.suppress(ProcessLookupError):

@@ -88,7 +88,12 @@ def main(argv: list[str] | None = None) -> int:
         pass
     finally:
         shutil.rmtree(ipc_dir, ignore_errors=True)
-    return 0
+    # vLLM's sockets close with the default linger (forever), so a normal
+    # interpreter exit can wait without end on its ZMQ context for messages to
+    # engines that are gone; nothing is left to flush, so leave at once.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
