@@ -31,7 +31,7 @@ unit: $(STAMP)
 	$(BIN)/pytest tests/unit $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	$(BIN)/python -m bench $(ARGS)
+	$(BIN)/python -m bench --peer vllm $(ARGS)
 
 bench-quick: $(STAMP)
 	$(BIN)/python -m bench --quick $(ARGS)

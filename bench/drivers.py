@@ -35,6 +35,10 @@ ADD = vllm.ADD
 _any_decoder = msgspec.msgpack.Decoder()
 
 
+# The open-file limits this process was started with, before `raise_fd_limit`.
+ORIGINAL_NOFILE = resource.getrlimit(resource.RLIMIT_NOFILE)
+
+
 def raise_fd_limit() -> None:
     """Use the hard limit on open files: 256 engines need about 1000 sockets."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -197,9 +201,10 @@ class Engines:
     def flood(self, rate: float | None, duration: float) -> dict[str, Any]:
         """Send stats round-robin over this set's engines at `rate` msgs/s (None: flat out).
 
-        Each engine's `num_waiting_reqs` and `step_counter` carry its
-        cumulative message count, so the monitor can read ingestion progress
-        back from the coordinator's publishes.
+        Each engine's `num_waiting_reqs` carries its cumulative message count,
+        so the monitor can read ingestion progress back from the
+        coordinator's publishes; `step_counter` is the group step of the
+        moment (`wire.lockstep_step`), the same for every rank.
         """
         pushes = self.push
         templates = self.templates
@@ -225,9 +230,10 @@ class Engines:
                     time.sleep(max(0.0, min(0.0005, (sent + 1) / rate - (now - t0))))
                     continue
                 burst = min(burst, burst_cap)
+            step = wire.lockstep_step(time.perf_counter_ns())
             for _ in range(burst):
                 counters[i] += 1
-                pushes[i].send(templates[i].set_counter(counters[i]))
+                pushes[i].send(templates[i].set_counter(counters[i], step))
                 i += 1
                 if i == n:
                     i = 0
@@ -315,45 +321,54 @@ class WakeReceivers:
     def record(self, triggers: list[int], first_wave: int, validate: bool,
                timeout_s: float = 2.0) -> dict[str, Any]:
         """Per wake: when this process's first and last non-trigger engine had it."""
-        xsub = self.engines.xsub
-        for sock in xsub:
-            sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
-        clock = time.perf_counter_ns
-        first_ns: list[int | None] = []
-        last_ns: list[int | None] = []
-        bad = 0
-        lost = 0
-        for k, trigger in enumerate(triggers):
-            t_first: int | None = None
-            t_last: int | None = None
-            payload = b""
-            for rank, sock in zip(self.ranks, xsub, strict=True):
-                try:
+        return record_wakes(self.ranks, self.engines.xsub, triggers, first_wave, validate,
+                            timeout_s)
+
+
+def record_wakes(ranks: list[int], xsub: list[zmq.Socket[bytes]], triggers: list[int],
+                 first_wave: int, validate: bool, timeout_s: float = 2.0) -> dict[str, Any]:
+    """Stamp START_DP_WAVE on each of `xsub` (one per rank, read in turn) for every wake.
+
+    Per wake: when the first and the last engine other than the trigger had it.
+    """
+    for sock in xsub:
+        sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
+    clock = time.perf_counter_ns
+    first_ns: list[int | None] = []
+    last_ns: list[int | None] = []
+    bad = 0
+    lost = 0
+    for k, trigger in enumerate(triggers):
+        t_first: int | None = None
+        t_last: int | None = None
+        payload = b""
+        for rank, sock in zip(ranks, xsub, strict=True):
+            try:
+                frames = sock.recv_multipart()
+                while frames[0] != START:  # e.g. a READY repeated for a late subscriber
                     frames = sock.recv_multipart()
-                    while frames[0] != START:  # e.g. a READY repeated for a late subscriber
-                        frames = sock.recv_multipart()
-                except Again:
-                    # Lost or very late: give up on this wake and the rest of the run
-                    # rather than wait out the timeout on every remaining socket.
-                    lost += 1
-                    break
-                if rank == trigger:
-                    continue
-                t = clock()
-                if t_first is None:
-                    t_first = t
-                    payload = frames[-1]
-                t_last = t
-            first_ns.append(t_first)
-            last_ns.append(t_last)
-            if validate and payload and _wave_of(payload) != first_wave + k:
-                bad += 1
-            if lost:
+            except Again:
+                # Lost or very late: give up on this wake and the rest of the run
+                # rather than wait out the timeout on every remaining socket.
+                lost += 1
                 break
-        for sock in xsub:
-            sock.setsockopt(zmq.RCVTIMEO, -1)
-            _drain(sock)
-        return {"first_ns": first_ns, "last_ns": last_ns, "bad": bad, "lost": lost}
+            if rank == trigger:
+                continue
+            t = clock()
+            if t_first is None:
+                t_first = t
+                payload = frames[-1]
+            t_last = t
+        first_ns.append(t_first)
+        last_ns.append(t_last)
+        if validate and payload and _wave_of(payload) != first_wave + k:
+            bad += 1
+        if lost:
+            break
+    for sock in xsub:
+        sock.setsockopt(zmq.RCVTIMEO, -1)
+        _drain(sock)
+    return {"first_ns": first_ns, "last_ns": last_ns, "bad": bad, "lost": lost}
 
 
 def _wave_of(payload: bytes) -> int | None:
@@ -504,6 +519,83 @@ class HandshakeLoad:
         return self.engines.flood(rate, duration)
 
 
+class RankShare:
+    """Scenarios `scale` and `cpu`: one process's share of a large handshaken group.
+
+    Several shares, each in its own process, make one group. `handshake` is
+    begun on every share before any is awaited: the READY gate opens only
+    once every rank subscribed. Afterwards a share reports stats (`flood`),
+    stamps wakes (`record`), or takes its requests in a background thread
+    (`start_sink`); the thread owns the input DEALERs and XSUBs while it runs
+    and `flood` touches only the PUSH sockets, so no socket is shared between
+    threads.
+    """
+
+    def __init__(self, addresses: dict[str, str], ranks: list[int], engines: int) -> None:
+        self.addresses = addresses
+        self.ranks = ranks
+        self.ctx = new_context()
+        self.engines = Engines(self.ctx, ranks, engines)
+        self.sink: threading.Thread | None = None
+        self.stopping = False
+        self.received = 0
+        self.wakes = 0
+
+    def handshake(self, timeout_s: float = 120.0) -> dict[str, Any]:
+        """HELLO to ACCEPTED for every rank of this share; perf_counter_ns stamps."""
+        stamps = self.engines.handshake(self.addresses, timeout_s)
+        return {"t_first_hello_ns": stamps["t_first_hello_ns"],
+                "gate_ns": [t for t in stamps["gate_ns"] if t is not None],
+                "accepted_ns": [t for t in stamps["accepted_ns"] if t is not None]}
+
+    def flood(self, rate: float | None, duration: float) -> dict[str, Any]:
+        return self.engines.flood(rate, duration)
+
+    def record(self, triggers: list[int], first_wave: int, validate: bool,
+               timeout_s: float = 2.0) -> dict[str, Any]:
+        return record_wakes(self.ranks, self.engines.xsub, triggers, first_wave, validate,
+                            timeout_s)
+
+    def report_start_wave(self, index: int, wave: int) -> bool:
+        """The share's `index`-th rank reports that it started `wave` (as a woken engine does)."""
+        self.engines.push[index].send(wire.start_wave_report(self.ranks[index], wave))
+        return True
+
+    def start_sink(self) -> bool:
+        self.stopping = False
+        self.received = 0
+        self.wakes = 0
+        self.sink = threading.Thread(target=self._sink_loop, daemon=True)
+        self.sink.start()
+        return True
+
+    def stop_sink(self) -> dict[str, Any]:
+        self.stopping = True
+        if self.sink is not None:
+            self.sink.join()
+            self.sink = None
+        return {"received": self.received, "wakes": self.wakes}
+
+    def sink_counts(self) -> dict[str, Any]:
+        return {"received": self.received, "wakes": self.wakes}
+
+    def _sink_loop(self) -> None:
+        poller = zmq.Poller()
+        for sock in (*self.engines.dealer, *self.engines.xsub):
+            poller.register(sock, zmq.POLLIN)
+        while not self.stopping:
+            for sock, _ in poller.poll(50):
+                while True:
+                    try:
+                        frames = sock.recv_multipart(NOBLOCK)
+                    except Again:
+                        break
+                    if frames[0] == ADD:
+                        self.received += 1
+                    elif frames[0] == START:
+                        self.wakes += 1
+
+
 class StatsLoad:
     """Scenarios 3 and 6: a share of the engines reporting stats, gate first."""
 
@@ -568,6 +660,21 @@ class Monitor:
             if counts is None:
                 continue
             out.append((t, sum(int(row[0]) for row in counts)))
+        return out
+
+    def publish_sizes(self, since_ns: int, until_ns: int | None = None) -> list[list[int]]:
+        """`[t_ns, bytes, rows]` of each full publish in the window."""
+        with self.lock:
+            records = [r for r in self.records
+                       if r[0] >= since_ns and (until_ns is None or r[0] <= until_ns)]
+        out: list[list[int]] = []
+        for t, frame in records:
+            try:
+                counts, _wave, _running = _any_decoder.decode(frame)
+            except (msgspec.DecodeError, ValueError, TypeError):
+                continue
+            if counts is not None:
+                out.append([t, len(frame), len(counts)])
         return out
 
     def trim(self, before_ns: int) -> int:
@@ -708,10 +815,87 @@ class FrontendLoad:
                 "lost": sum(len(q) for q in outstanding)}
 
 
+    def paced(self, rate: float, duration: float, payload_bytes: int = 1024,
+              finished_batch: int = 256) -> dict[str, Any]:
+        """Open-loop submits at `rate` per second over the DEALERs in turn, for `duration` s.
+
+        A fixed schedule, not a window: the offered load stays what a busy API
+        frontend sends whatever the coordinator does. Replies are read as
+        they come and `finished` goes out for every `finished_batch` of them.
+        """
+        payload = b"r" * payload_bytes
+        dealers = self.dealers
+        count = len(dealers)
+        poller = zmq.Poller()
+        index_of = {}
+        for f, sock in enumerate(dealers):
+            poller.register(sock, zmq.POLLIN)
+            index_of[sock] = f
+        outstanding: list[deque[str]] = [deque() for _ in dealers]
+        done: list[list[str]] = [[] for _ in dealers]
+        ok = errors = 0
+        first_error = ""
+
+        def take(sock: zmq.Socket[bytes]) -> None:
+            nonlocal ok, errors, first_error
+            f = index_of[sock]
+            while True:
+                try:
+                    reply = sock.recv(NOBLOCK)
+                except Again:
+                    return
+                rid = outstanding[f].popleft() if outstanding[f] else ""
+                if wire.is_submitted(reply):
+                    ok += 1
+                    done[f].append(rid)
+                    if len(done[f]) >= finished_batch:
+                        sock.send(wire.finished_header(done[f]))
+                        done[f] = []
+                else:
+                    errors += 1
+                    if not first_error:
+                        first_error = repr(_any_decoder.decode(reply))[:300]
+
+        clock = time.perf_counter
+        sent = 0
+        turn = 0
+        t_start_ns = time.perf_counter_ns()
+        t0 = clock()
+        end = t0 + duration
+        while True:
+            now = clock()
+            if now >= end:
+                break
+            due = min(64, int((now - t0) * rate) - sent)
+            for _ in range(due):
+                self.next_id += 1
+                rid = f"{self.tag}{turn}-{self.next_id}"
+                dealers[turn].send_multipart(
+                    [wire.submit_header(self.next_id, rid, 0), payload])
+                outstanding[turn].append(rid)
+                turn = (turn + 1) % count
+                sent += 1
+            # At least 1 ms: a busy-polling generator would take a core from the target.
+            wait_ms = max(1, min(5, int(((sent + 1) / rate - (clock() - t0)) * 1000)))
+            for sock, _ in poller.poll(wait_ms):
+                take(sock)
+        t_end_ns = time.perf_counter_ns()
+        deadline = time.monotonic() + 5.0
+        while any(outstanding) and time.monotonic() < deadline:
+            for sock, _ in poller.poll(100):
+                take(sock)
+        for f, ids in enumerate(done):
+            if ids:
+                dealers[f].send(wire.finished_header(ids))
+        return {"sent": sent, "ok": ok, "errors": errors, "first_error": first_error,
+                "t_start_ns": t_start_ns, "t_end_ns": t_end_ns,
+                "unanswered": sum(len(q) for q in outstanding)}
+
+
 DRIVERS: dict[str, type] = {
     cls.__name__: cls
-    for cls in (WakeTrigger, WakeReceivers, FirstRequestLoad, HandshakeLoad, StatsLoad,
-                Monitor, EngineSink, FrontendLoad)
+    for cls in (WakeTrigger, WakeReceivers, FirstRequestLoad, HandshakeLoad, RankShare,
+                StatsLoad, Monitor, EngineSink, FrontendLoad)
 }
 
 
@@ -769,6 +953,10 @@ class Worker:
     def begin(self, method: str, **args: Any) -> None:
         self.conn.send((method, args))
         self._busy = True
+
+    def answered(self) -> bool:
+        """True once the call begun with `begin` has an answer (or the worker died)."""
+        return self.conn.poll(0)
 
     def end(self, timeout: float = 120.0) -> Any:
         self._busy = False

@@ -51,7 +51,7 @@ def write_addresses(path: str, addresses: dict[str, str]) -> None:
     os.replace(tmp, path)
 
 
-def serve(mode: str, engines: int, addr_file: str) -> None:
+def serve(mode: str, engines: int, addr_file: str, coalesce_ms: float = 0.0) -> None:
     ipc_dir = tempfile.mkdtemp(prefix="bench-floor-")
     ctx = zmq.Context()
     kinds = {
@@ -120,6 +120,7 @@ def serve(mode: str, engines: int, addr_file: str) -> None:
     next_publish = time.monotonic() + PUBLISH_INTERVAL_S
     noblock = zmq.NOBLOCK
     again = zmq.Again
+    coalesce_s = coalesce_ms / 1000.0
 
     try:
         while not stop:
@@ -191,6 +192,9 @@ def serve(mode: str, engines: int, addr_file: str) -> None:
                         front_publish.recv(noblock)
                     except again:
                         break
+            if coalesce_s:
+                # Let input gather: one wake-up per interval instead of one per burst.
+                time.sleep(coalesce_s)
             if mode == "stats" and gate_open:
                 now = time.monotonic()
                 if now >= next_publish:
@@ -214,8 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", choices=MODES, required=True)
     parser.add_argument("--engines", type=int, required=True)
     parser.add_argument("--addr-file", required=True)
+    parser.add_argument("--coalesce-ms", type=float, default=0.0,
+                        help="sleep this long after each round of draining (default 0: "
+                        "handle input as soon as it arrives)")
     args = parser.parse_args(argv)
-    serve(args.mode, args.engines, args.addr_file)
+    serve(args.mode, args.engines, args.addr_file, args.coalesce_ms)
     return 0
 
 

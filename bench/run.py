@@ -1,7 +1,7 @@
 """Run the benchmark scenarios and write bench/results/.
 
-    python -m bench                 # full run, under 15 minutes on 2 cores
-    python -m bench --quick         # about a minute
+    python -m bench --peer vllm     # full run with vLLM 0.33's coordinator beside ours
+    python -m bench --quick         # a few minutes; writes bench/results/quick/
     python -m bench --scenario wake --scenario stats
     python -m bench --peer 'python my_coord.py --engines {engines} --addr-file {addr_file}'
 
@@ -10,7 +10,8 @@ asyncio, the floor, a peer) as its own process, drives it from separate load
 processes over ipc, warms up, then alternates repetitions between the targets
 so that drift in a shared machine hits them alike. Figures are medians over
 repetitions with [min, max] as the spread, and every figure is also given as
-a ratio against the floor measured in the same run.
+a ratio against the floor measured in the same run. Only a full run writes
+the committed results; quick and smoke runs go to git-ignored directories.
 """
 
 from __future__ import annotations
@@ -20,30 +21,54 @@ import contextlib
 import itertools
 import math
 import os
+import shlex
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from bench import report
-from bench.drivers import DriverError, Worker, raise_fd_limit, wake_triggers
+from bench.drivers import ORIGINAL_NOFILE, DriverError, Worker, raise_fd_limit, wake_triggers
 from bench.targets import (
     FLOOR,
+    FLOOR_BATCHED,
     OURS,
     OURS_ASYNCIO,
     RunningTarget,
     TargetError,
     TargetSpec,
     peer_spec,
+    process_cpu_seconds,
     start_target,
 )
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-SCENARIOS = ("wake", "first_request", "stats", "dispatch", "handshake", "cadence", "rss")
+
+
+def output_dir(mode: str, requested: str | None) -> str:
+    """Where a run of `mode` writes; the committed results are a full run's alone.
+
+    Raises ValueError if a quick or smoke run is pointed at them.
+    """
+    if requested is None:
+        return RESULTS_DIR if mode == "full" else os.path.join(RESULTS_DIR, mode)
+    if mode != "full" and os.path.realpath(requested) == os.path.realpath(RESULTS_DIR):
+        raise ValueError(f"a {mode} run must not overwrite the full results in {RESULTS_DIR}; "
+                         f"leave --out out (it writes {os.path.join(RESULTS_DIR, mode)}) or "
+                         "pick another directory")
+    return requested
+SCENARIOS = ("wake", "first_request", "stats", "dispatch", "handshake", "cadence", "rss",
+             "scale", "cpu")
 PEER_SCENARIOS = ("wake", "stats", "cadence")
 ASYNCIO_SCENARIOS = ("wake", "first_request", "dispatch", "cadence")
+# CPU is also compared with the floor taking input in 1 ms batches.
+BATCHED_FLOOR_SCENARIOS = ("cpu",)
+VLLM_PEER = "vllm"
+VLLM_PEER_LABEL = "vllm 0.33.0"
+DEFAULT_PEER_NAME = "peer"
 
 # Issue 4's targets for this 2-core machine.
 TARGET_WAKE_P99_US = 1000.0
@@ -53,6 +78,14 @@ TARGET_STATS_PER_S = 100_000
 TARGET_PUBLISH_P99_MS = 130.0
 TARGET_HANDSHAKE_S = 2.0
 TARGET_RSS_MIB = 80.0
+# Issue 14's targets.
+TARGET_SCALE_READY_S = 1.0
+TARGET_SCALE_WAKE_FLOOR_RATIO = 1.2
+TARGET_SCALE_RSS_MIB = 150.0
+TARGET_CPU_PCT = 15.0
+# The kernel's default soft RLIMIT_NOFILE (INR_OPEN_CUR), what a shell or a
+# service gets unless someone raised it; the harness itself runs with more.
+COMMON_SOFT_NOFILE = 1024
 
 # A stats step counts as sustained when the coordinator caught up this soon after
 # the senders stopped (two publish intervals: the last report may land just after
@@ -89,6 +122,24 @@ class Plan:
     rss_engines: int = 256
     rss_rate: int = 50_000
     rss_duration_s: float = 3.0
+    scale_engines: int = 1024
+    scale_processes: int = 4
+    scale_frontends: int = 3
+    scale_reps: int = 3
+    scale_wake_count: int = 150
+    scale_wake_warmup: int = 20
+    scale_wake_gap_s: float = 0.05
+    scale_stats_hz: float = 10.0
+    scale_stats_s: float = 3.0
+    scale_idle_s: float = 1.0
+    scale_fd_census: bool = True
+    cpu_engines: int = 256
+    cpu_processes: int = 2
+    cpu_stats_hz: float = 50.0
+    cpu_submits_per_s: float = 2000.0
+    cpu_frontends: int = 2
+    cpu_warmup_s: float = 1.0
+    cpu_window_s: float = 5.0
 
 
 FULL = Plan(mode="full", reps=5)
@@ -97,6 +148,8 @@ QUICK = Plan(
     first_warmup=10, stats_ladder=(25_000, 50_000, 100_000, 150_000), stats_duration_s=1.5,
     stats_retries=1,
     dispatch_duration_s=1.5, cadence_duration_s=1.5, rss_rate=50_000, rss_duration_s=1.5,
+    scale_reps=1, scale_wake_count=60, scale_wake_warmup=10, scale_stats_s=1.5,
+    cpu_window_s=3.0,
 )
 SMOKE = Plan(
     mode="smoke", reps=1, wake_engines=(4,), wake_count=20, wake_warmup=5, wake_gap_s=0.004,
@@ -104,7 +157,10 @@ SMOKE = Plan(
     stats_ladder=(2_000,), stats_duration_s=0.5, dispatch_engines=4, dispatch_frontends=2,
     dispatch_duration_s=0.5, dispatch_warmup_s=0.2, dispatch_window=16, handshake_engines=8,
     cadence_engines=4, cadence_rate=5_000, cadence_duration_s=0.5, rss_engines=8, rss_rate=2_000,
-    rss_duration_s=0.5,
+    rss_duration_s=0.5, scale_engines=16, scale_processes=2, scale_frontends=2, scale_reps=1,
+    scale_wake_count=10, scale_wake_warmup=3, scale_wake_gap_s=0.004, scale_stats_s=0.5,
+    scale_idle_s=0.3, cpu_engines=8, cpu_submits_per_s=200, cpu_frontends=1, cpu_warmup_s=0.3,
+    cpu_window_s=0.5,
 )
 
 
@@ -147,6 +203,9 @@ class Bench:
     def specs_for(self, scenario: str) -> list[TargetSpec]:
         out = []
         for spec in self.specs:
+            if spec.name == FLOOR.name and scenario in BATCHED_FLOOR_SCENARIOS:
+                out.append(spec)
+                spec = FLOOR_BATCHED
             if spec.kind == "peer" and scenario not in PEER_SCENARIOS:
                 continue
             if spec.name == OURS_ASYNCIO.name and scenario not in ASYNCIO_SCENARIOS:
@@ -187,7 +246,8 @@ class Bench:
         return sessions[shift:] + sessions[:shift]
 
     def write(self, scenario: str, title: str, parameters: dict[str, Any],
-              cases: list[dict[str, Any]], checks: list[dict[str, Any]]) -> str:
+              cases: list[dict[str, Any]], checks: list[dict[str, Any]],
+              extra: dict[str, Any] | None = None) -> str:
         data = {
             "scenario": scenario,
             "title": title,
@@ -203,6 +263,7 @@ class Bench:
             "parameters": parameters,
             "cases": cases,
             "checks": checks,
+            **(extra or {}),
         }
         path = os.path.join(self.out_dir, f"{scenario}.json")
         report.write_json(path, report.clean(data))
@@ -265,7 +326,8 @@ class Bench:
                               "non-trigger engine's receive minus the send, same clock"},
                    cases, checks)
 
-    def _wake_round(self, session: Session, n: int, count: int, seed: int
+    def _wake_round(self, session: Session, n: int, count: int, seed: int,
+                    gap_s: float | None = None
                     ) -> tuple[list[float], list[float], dict[str, Any]]:
         rx = session.workers["rx"]
         trigger = session.workers["trigger"][0]
@@ -275,7 +337,8 @@ class Bench:
         validate = session.spec.kind != "floor"
         for w in rx:
             w.begin("record", triggers=triggers, first_wave=first_wave, validate=validate)
-        sent = trigger.call("fire", triggers=triggers, gap_s=self.plan.wake_gap_s,
+        sent = trigger.call("fire", triggers=triggers,
+                            gap_s=self.plan.wake_gap_s if gap_s is None else gap_s,
                             first_wave=first_wave)
         got = [w.end(60) for w in rx]
         session.state["wave"] = first_wave + count
@@ -735,7 +798,464 @@ class Bench:
             [case], checks)
 
 
+    # ---- scenario 8: many ranks ------------------------------------------------
+
+    def scale(self) -> None:
+        plan = self.plan
+        n = plan.scale_engines
+        log(f"scale: {n} ranks in {plan.scale_processes} processes, "
+            f"{plan.scale_frontends} frontends")
+        specs = self.specs_for("scale")
+        reps: dict[str, list[dict[str, Any]]] = {}
+        samples: dict[str, list[float]] = {}
+        for rep in range(plan.scale_reps):
+            for spec in specs[rep % len(specs):] + specs[:rep % len(specs)]:
+                got = self._scale_once(spec, n, rep)
+                if got is None:
+                    continue
+                samples.setdefault(spec.name, []).extend(got.pop("wake_us"))
+                reps.setdefault(spec.name, []).append(got)
+                log(f"  {spec.name}: all READY after {got['all_ready_ms']:.0f} ms, wake p50 "
+                    f"{got['wake_p50_us']:.0f} p99 {got['wake_p99_us']:.0f} us, "
+                    f"{got['fds_after_handshake']} fds, RSS {got['rss_end_mib']} MiB")
+        targets: dict[str, Any] = {}
+        for name, rep_list in reps.items():
+            median, spread = report.median_and_spread(rep_list)
+            targets[name] = {"median": median, "spread": spread, "repetitions": rep_list,
+                             "cdf_us": report.cdf(samples.get(name, []))}
+        ratios = _ratios(targets, ("all_ready_ms", "gate_ms", "wake_p50_us", "wake_p99_us",
+                                   "fds_after_handshake", "rss_end_mib"))
+        case = {"case": f"N={n}", "params": {"engines": n}, "targets": targets,
+                "ratios": ratios}
+        fds = self._fd_census(n) if plan.scale_fd_census else None
+        checks = []
+        ms = _median(case, "ours", "all_ready_ms")
+        if ms is not None:
+            checks.append(_check(f"handshake of {n} ranks", f"<= {TARGET_SCALE_READY_S:g} s",
+                                 ms / 1000, ms / 1000 <= TARGET_SCALE_READY_S, "s"))
+        r = ratios.get("ours/floor", {}).get("wake_p99_us")
+        checks.append(_check(f"wake p99 at N={n} vs floor",
+                             f"<= {TARGET_SCALE_WAKE_FLOOR_RATIO}x", r,
+                             r is not None and r <= TARGET_SCALE_WAKE_FLOOR_RATIO, "x"))
+        mib = _median(case, "ours", "rss_end_mib")
+        checks.append(_check(f"RSS at N={n}", f"<= {TARGET_SCALE_RSS_MIB:g} MiB", mib,
+                             mib is not None and mib <= TARGET_SCALE_RSS_MIB, "MiB"))
+        if fds and fds.get("ipc", {}).get("peak") is not None:
+            peak = max(fds[t]["peak"] for t in ("ipc", "tcp") if t in fds)
+            checks.append(_check(
+                f"file descriptors at N={n}", f"<= {COMMON_SOFT_NOFILE} (the usual default "
+                "soft RLIMIT_NOFILE)", peak, peak <= COMMON_SOFT_NOFILE, "fds"))
+        self.write("scale", f"Scale: {n} ranks (handshake, stats and publishes, wakes, "
+                   "memory, CPU, file descriptors)", {
+                       "engines": n, "engine_processes": plan.scale_processes,
+                       "frontends": plan.scale_frontends,
+                       "repetitions": plan.scale_reps,
+                       "stats_per_rank_hz": plan.scale_stats_hz,
+                       "stats_seconds": plan.scale_stats_s,
+                       "wakes_per_repetition": plan.scale_wake_count,
+                       "wake_warmup": plan.scale_wake_warmup,
+                       "wake_gap_ms": plan.scale_wake_gap_s * 1000,
+                       "how": "a fresh target per repetition; the ranks, split into contiguous "
+                              "blocks over several processes, all run HELLO -> INIT -> "
+                              "greeting + back_publish subscription -> READY gate -> READY "
+                              "-> ACCEPTED at once (all_ready = last ACCEPTED minus first "
+                              "HELLO); frontends subscribe to front_publish; on our "
+                              "coordinator every rank then reports stats at the given rate "
+                              "(publish size and interval, CPU from /proc user+sys); then "
+                              "engines report start_wave open-loop and every rank stamps "
+                              "START_DP_WAVE as in the wake scenario; RSS and descriptors "
+                              "from /proc"},
+                   [case], checks, extra={"file_descriptors": fds})
+
+    def _scale_once(self, spec: TargetSpec, n: int, rep: int) -> dict[str, Any] | None:
+        plan = self.plan
+        try:
+            target = start_target(spec, engines=n, mode="wake")
+        except TargetError as exc:
+            log(f"{spec.name}: could not start ({exc})")
+            return None
+        workers: list[Worker] = []
+        try:
+            addrs = target.addresses
+            shares = _blocks(n, plan.scale_processes)
+            group = [Worker("RankShare", addresses=addrs, ranks=share, engines=n)
+                     for share in shares]
+            workers += group
+            monitors = [Worker("Monitor", addresses=addrs) for _ in range(plan.scale_frontends)]
+            workers += monitors
+            time.sleep(0.2)
+            result: dict[str, Any] = {"fds_idle": target.fd_count(),
+                                      "rss_idle_mib": _mib(target.rss_kib()["VmRSS"])}
+            with ProcSampler(target) as sampler:
+                shakes = _handshake_all(group)
+            t0 = min(s["t_first_hello_ns"] for s in shakes)
+            accepted = sorted(t - t0 for s in shakes for t in s["accepted_ns"])
+            if len(accepted) != n:
+                raise DriverError(f"{len(accepted)} of {n} ranks accepted")
+            result.update({
+                "all_ready_ms": round(accepted[-1] / 1e6, 2),
+                "half_ready_ms": round(accepted[n // 2] / 1e6, 2),
+                "gate_ms": round((max(t for s in shakes for t in s["gate_ns"]) - t0) / 1e6, 2),
+                "fds_peak_handshake": sampler.peak_fds,
+                "fds_after_handshake": target.fd_count(),
+                "rss_after_handshake_mib": _mib(target.rss_kib()["VmRSS"]),
+            })
+            if spec.kind == "ours":
+                result["idle_cpu_pct"] = _cpu_pct(target, plan.scale_idle_s)
+                result.update(self._scale_stats(target, group, monitors, shares))
+            trigger = Worker("WakeTrigger", addresses=addrs, engines=n)
+            workers.append(trigger)
+            session = Session(spec, target, {"rx": group, "trigger": [trigger]}, {"wave": 1})
+            self._wake_round(session, n, plan.scale_wake_warmup, seed=0,
+                             gap_s=plan.scale_wake_gap_s)
+            cpu0, m0 = target.cpu_seconds(), time.monotonic()
+            last, first, info = self._wake_round(session, n, plan.scale_wake_count,
+                                                 seed=rep + 1, gap_s=plan.scale_wake_gap_s)
+            result["wake_cpu_pct"] = round(
+                100 * (target.cpu_seconds() - cpu0) / (time.monotonic() - m0), 1)
+            stats = report.latency_stats(last)
+            result.update({
+                "wake_n": stats["n"], "wake_p50_us": stats["p50_us"],
+                "wake_p99_us": stats["p99_us"], "wake_max_us": stats["max_us"],
+                "wake_first_engine_p50_us": report.latency_stats(first)["p50_us"],
+                "wake_missing": info["missing"], "wake_bad_payloads": info["bad_payloads"],
+            })
+            rss = target.rss_kib()
+            result["rss_end_mib"] = _mib(rss["VmRSS"])
+            result["rss_peak_mib"] = _mib(rss["VmHWM"])
+            result["wake_us"] = last
+            return result
+        except DriverError as exc:
+            log(f"{spec.name}: scale run failed: {exc}\n{target.stderr_tail(1500)}")
+            return None
+        finally:
+            for w in workers:
+                w.close()
+            target.stop()
+
+    def _scale_stats(self, target: RunningTarget, group: list[Worker], monitors: list[Worker],
+                     shares: list[list[int]]) -> dict[str, Any]:
+        """Every rank reports stats at `scale_stats_hz`: publishes, their size, CPU."""
+        plan = self.plan
+        monitor = monitors[0]
+        t_before = monitor.call("now_ns")
+        cpu0, m0 = target.cpu_seconds(), time.monotonic()
+        for w, share in zip(group, shares, strict=True):
+            w.begin("flood", rate=plan.scale_stats_hz * len(share), duration=plan.scale_stats_s)
+        floods = [w.end(plan.scale_stats_s + 60) for w in group]
+        cpu_pct = round(100 * (target.cpu_seconds() - cpu0) / (time.monotonic() - m0), 1)
+        t_start = min(f["t_start_ns"] for f in floods)
+        t_end = max(f["t_end_ns"] for f in floods)
+        sent = sum(f["sent"] for f in floods)
+        final = sum(f["final_sum"] for f in floods)
+        caught_up = None
+        deadline = time.monotonic() + 10.0
+        points: list[list[int]] = []
+        while caught_up is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+            points = monitor.call("publishes", since_ns=t_before)
+            caught_up = next((t for t, total in points if t >= t_start and total >= final), None)
+        intervals = sorted(_publish_intervals_ms(points, t_start, t_end))
+        seen = [m.call("publish_sizes", since_ns=t_start, until_ns=t_end) for m in monitors]
+        sizes = [size for _t, size, _rows in seen[0]]
+        rows = max((r for _t, _size, r in seen[0]), default=0)
+        for m in monitors:
+            m.call("trim", before_ns=t_end)
+        return {
+            "stats_sent_per_s": round(sent / ((t_end - t_start) / 1e9), 1),
+            "stats_cpu_pct": cpu_pct,
+            "stats_caught_up_after_s": (None if caught_up is None
+                                        else round(max(0, caught_up - t_end) / 1e9, 3)),
+            "publish_p50_ms": round(report.percentile(intervals, 50), 2),
+            "publish_p99_ms": round(report.percentile(intervals, 99), 2),
+            "publish_max_ms": round(intervals[-1], 2) if intervals else None,
+            "publish_bytes": max(sizes, default=0),
+            "publish_rows": rows,
+            "publishes_per_frontend_min": min(len(x) for x in seen),
+            "publishes_per_frontend_max": max(len(x) for x in seen),
+            "rss_after_stats_mib": _mib(target.rss_kib()["VmRSS"]),
+        }
+
+    def _fd_census(self, n: int) -> dict[str, Any]:
+        """Descriptors our coordinator holds with `n` ranks over ipc and over tcp, and
+        whether it serves them under the usual default soft limit."""
+        ours = next((s for s in self.specs if s.name == "ours"), None)
+        out: dict[str, Any] = {
+            "soft_limit_at_start": ORIGINAL_NOFILE[0], "hard_limit_at_start": ORIGINAL_NOFILE[1],
+            "usual_default_soft_limit": COMMON_SOFT_NOFILE,
+            "how": "descriptors in /proc/<pid>/fd before any engine, at most during the "
+                   "handshake (sampled every 20 ms) and after it (handshake DEALERs closed, "
+                   "as vLLM engines do)",
+        }
+        if ours is None:
+            return out
+        log(f"scale: file descriptors with {n} ranks (ipc, tcp, and ipc under a soft limit "
+            f"of {COMMON_SOFT_NOFILE})")
+        runs: list[tuple[str, tuple[str, ...], int | None]] = [
+            ("ipc", (), None), ("tcp", ("--host", "127.0.0.1"), None),
+            (f"ipc_soft_limit_{COMMON_SOFT_NOFILE}", (), COMMON_SOFT_NOFILE),
+            (f"tcp_soft_limit_{COMMON_SOFT_NOFILE}", ("--host", "127.0.0.1"),
+             COMMON_SOFT_NOFILE)]
+        for key, extra, soft in runs:
+            if soft is not None and "ipc" in out and out["ipc"].get("peak"):
+                # Descriptors grow by about 4 per rank during a simultaneous handshake.
+                ipc = out["ipc"]
+                per_rank = (ipc["peak"] - ipc["idle"]) / n
+                out["peak_per_rank"] = round(per_rank, 2)
+                out["ranks_within_usual_soft_limit"] = int(
+                    (COMMON_SOFT_NOFILE - ipc["idle"]) // per_rank)
+            try:
+                target = start_target(ours, engines=n, mode="handshake", extra_args=extra,
+                                      nofile_soft=soft)
+            except TargetError as exc:
+                out[key] = {"started": False, "error": str(exc)[-600:]}
+                continue
+            workers: list[Worker] = []
+            try:
+                time.sleep(0.2)
+                idle = target.fd_count()
+                workers = [Worker("RankShare", addresses=target.addresses, ranks=share,
+                                  engines=n) for share in _blocks(n, self.plan.scale_processes)]
+                entry: dict[str, Any] = {"idle": idle}
+                with ProcSampler(target) as sampler:
+                    try:
+                        _handshake_all(workers, timeout_s=20.0 if soft else 120.0,
+                                       target=target)
+                        entry["handshake"] = "complete"
+                    except DriverError as exc:
+                        entry["handshake"] = "failed"
+                        entry["error"] = str(exc).strip().splitlines()[-1][:400]
+                entry["peak"] = sampler.peak_fds
+                time.sleep(0.5)  # closed handshake connections take a moment to be reaped
+                entry["alive"] = target.alive()
+                if entry["alive"]:
+                    entry["after_handshake"] = target.fd_count()
+                    entry["per_rank"] = round((entry["after_handshake"] - idle) / n, 2)
+                if soft is not None:
+                    entry["soft_limit"] = soft
+                    entry["log_tail"] = target.stderr_tail(800)
+                out[key] = entry
+                log(f"  {key}: {entry}")
+            finally:
+                for w in workers:
+                    w.close()
+                target.stop()
+        return out
+
+    # ---- scenario 9: CPU at a realistic load ---------------------------------
+
+    def cpu(self) -> None:
+        plan = self.plan
+        n = plan.cpu_engines
+        log(f"cpu: {n} ranks x {plan.cpu_stats_hz:g} stats/s + {plan.cpu_submits_per_s:g} "
+            "submits/s")
+
+        def setup(session: Session) -> None:
+            addrs = session.target.addresses
+            shares = _blocks(n, plan.cpu_processes)
+            group = [Worker("RankShare", addresses=addrs, ranks=share, engines=n)
+                     for share in shares]
+            session.workers["engines"] = group
+            session.state["shares"] = shares
+            _handshake_all(group)
+            # Under steady load the group is running: rank 0 reports it started wave 0.
+            group[0].call("report_start_wave", index=0, wave=0)
+            for w in group:
+                w.call("start_sink")
+            session.workers["frontends"] = [Worker("FrontendLoad", addresses=addrs,
+                                                   frontends=plan.cpu_frontends, tag="cpu")]
+            session.workers["monitor"] = [Worker("Monitor", addresses=addrs)]
+            time.sleep(0.2)
+            self._cpu_round(session, warmup=0.2, window=0.3)
+
+        reps: dict[str, list[dict[str, Any]]] = {}
+        with self.sessions("cpu", n, "stats", setup) as sessions:
+            for rep in range(plan.reps):
+                for session in self.rotations(sessions, rep):
+                    got = self._cpu_round(session, plan.cpu_warmup_s, plan.cpu_window_s)
+                    if not got["offered_load_met"]:
+                        log(f"  {session.name}: the load processes fell behind (machine "
+                            "busy); this repetition ran below the asked load")
+                    reps.setdefault(session.name, []).append(got)
+                    log(f"  {session.name}: {got['coordinator_cpu_pct']}% of a core "
+                        f"(libzmq threads {got['zmq_threads_cpu_pct']}%; load processes "
+                        f"{got['generators_cpu_pct']}%), "
+                        f"{got['stats_sent_per_s']:.0f} stats/s, "
+                        f"{got['submits_ok_per_s']:.0f} submits/s answered")
+        targets: dict[str, Any] = {}
+        for name, rep_list in reps.items():
+            median, spread = report.median_and_spread(rep_list)
+            targets[name] = {"median": median, "spread": spread, "repetitions": rep_list}
+        ratios = _ratios(targets, ("coordinator_cpu_pct", "zmq_threads_cpu_pct",
+                                   "python_threads_cpu_pct"))
+        if "ours" in targets and FLOOR_BATCHED.name in targets:
+            ratios[f"ours/{FLOOR_BATCHED.name}"] = {"coordinator_cpu_pct": report.ratio(
+                targets["ours"]["median"].get("coordinator_cpu_pct"),
+                targets[FLOOR_BATCHED.name]["median"].get("coordinator_cpu_pct"))}
+        case = {"case": f"N={n}", "params": {"engines": n, "stats_per_rank_hz": plan.cpu_stats_hz,
+                                             "submits_per_s": plan.cpu_submits_per_s},
+                "targets": targets, "ratios": ratios}
+        checks = []
+        pct = _median(case, "ours", "coordinator_cpu_pct")
+        if pct is not None:
+            checks.append(_check("coordinator CPU at realistic load", f"< {TARGET_CPU_PCT:g}% "
+                                 "of one core", pct, pct < TARGET_CPU_PCT, "%"))
+        self.write("cpu", f"CPU at a realistic load: {n} ranks reporting stats "
+                   f"{plan.cpu_stats_hz:g} times a second plus {plan.cpu_submits_per_s:g} "
+                   "submits/s", {
+                       "engines": n, "engine_processes": plan.cpu_processes,
+                       "stats_per_rank_hz": plan.cpu_stats_hz,
+                       "submits_per_s": plan.cpu_submits_per_s,
+                       "frontends": plan.cpu_frontends, "payload_bytes": 1024,
+                       "warmup_s": plan.cpu_warmup_s, "window_s": plan.cpu_window_s,
+                       "floor_batched": "the floor with --coalesce-ms 1: it sleeps 1 ms "
+                                        "after each round of draining, so input gathers "
+                                        "between wake-ups (what coalesced reads could save)",
+                       "how": "all ranks handshake and rank 0 reports start_wave so the group "
+                              "runs, as under steady load; paced stats (504-byte full "
+                              "SchedulerStats) from the engine processes and open-loop "
+                              "submits with 1 KB payloads from the frontend DEALERs "
+                              "('finished' every 256 replies), the engines taking their ADDs; "
+                              "after the warm-up, the target's user+sys CPU time from "
+                              "/proc/<pid>/stat over the window, divided by the window; the "
+                              "load processes run apart and their CPU is reported beside it, "
+                              "not in it"},
+                   [case], checks)
+
+    def _cpu_round(self, session: Session, warmup: float, window: float) -> dict[str, Any]:
+        plan = self.plan
+        group = session.workers["engines"]
+        frontends = session.workers["frontends"][0]
+        monitor = session.workers["monitor"][0]
+        shares = session.state["shares"]
+        generators = [*group, frontends, monitor]
+        duration = warmup + window + 0.3
+        t_before = monitor.call("now_ns")
+        counts_before = [w.call("sink_counts") for w in group]
+        for w, share in zip(group, shares, strict=True):
+            w.begin("flood", rate=plan.cpu_stats_hz * len(share), duration=duration)
+        frontends.begin("paced", rate=plan.cpu_submits_per_s, duration=duration)
+        time.sleep(warmup)
+        target = session.target
+        c0, g0, m0 = target.cpu_seconds(), _workers_cpu(generators), time.monotonic()
+        t0 = target.threads_cpu_seconds()
+        time.sleep(window)
+        c1, g1, m1 = target.cpu_seconds(), _workers_cpu(generators), time.monotonic()
+        t1 = target.threads_cpu_seconds()
+        floods = [w.end(duration + 60) for w in group]
+        paced = frontends.end(duration + 60)
+        counts_after = [w.call("sink_counts") for w in group]
+        sunk = sum(c["received"] for c in counts_after) - sum(
+            c["received"] for c in counts_before)
+        # START_DP_WAVE seen by all ranks together: a running group needs none.
+        wakes = sum(c["wakes"] for c in counts_after) - sum(c["wakes"] for c in counts_before)
+        t_start = min(f["t_start_ns"] for f in floods)
+        t_end = max(f["t_end_ns"] for f in floods)
+        points = monitor.call("publishes", since_ns=t_before)
+        monitor.call("trim", before_ns=t_end)
+        intervals = sorted(_publish_intervals_ms(points, t_start, t_end))
+        flood_s = (t_end - t_start) / 1e9
+        paced_s = (paced["t_end_ns"] - paced["t_start_ns"]) / 1e9
+        return {
+            "coordinator_cpu_pct": round(100 * (c1 - c0) / (m1 - m0), 2),
+            # Where it goes: libzmq's I/O thread (socket reads and writes) and Python.
+            "zmq_threads_cpu_pct": round(
+                100 * (t1["zmq_threads"] - t0["zmq_threads"]) / (m1 - m0), 2),
+            "python_threads_cpu_pct": round(
+                100 * (t1["python_threads"] - t0["python_threads"]) / (m1 - m0), 2),
+            "generators_cpu_pct": round(100 * (g1 - g0) / (m1 - m0), 1),
+            "window_s": round(m1 - m0, 3),
+            "stats_sent_per_s": round(sum(f["sent"] for f in floods) / flood_s, 1),
+            "submits_sent_per_s": round(paced["sent"] / paced_s, 1),
+            "submits_ok_per_s": round(paced["ok"] / paced_s, 1),
+            "submit_errors": paced["errors"], "first_error": paced["first_error"],
+            "unanswered": paced["unanswered"], "adds_received": sunk,
+            "wake_messages_received": wakes,
+            "publish_p50_ms": round(report.percentile(intervals, 50), 2),
+            "publish_p99_ms": round(report.percentile(intervals, 99), 2),
+            "load_1m": round(os.getloadavg()[0], 2),
+            # A starved load process sends less than asked, and the target then works less.
+            "offered_load_met": (
+                sum(f["sent"] for f in floods) / flood_s >= 0.95 * plan.cpu_stats_hz * sum(
+                    len(share) for share in shares)
+                and paced["sent"] / paced_s >= 0.95 * plan.cpu_submits_per_s),
+        }
+
+
 # ---- small pure helpers -----------------------------------------------------------
+
+
+class ProcSampler:
+    """Samples a target's open descriptors every 20 ms in a thread; keeps the peak."""
+
+    def __init__(self, target: RunningTarget, interval_s: float = 0.02) -> None:
+        self.target = target
+        self.interval_s = interval_s
+        self.peak_fds = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while True:
+            with contextlib.suppress(OSError):
+                self.peak_fds = max(self.peak_fds, self.target.fd_count())
+            if self._stop.wait(self.interval_s):
+                return
+
+    def __enter__(self) -> ProcSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        with contextlib.suppress(OSError):
+            self.peak_fds = max(self.peak_fds, self.target.fd_count())
+
+
+def _blocks(n: int, parts: int) -> list[list[int]]:
+    """Ranks 0..n-1 in `parts` contiguous blocks (as ranks sit on nodes)."""
+    parts = max(1, min(parts, n))
+    return [list(range(i * n // parts, (i + 1) * n // parts)) for i in range(parts)]
+
+
+def _handshake_all(group: list[Worker], timeout_s: float = 120.0,
+                   target: RunningTarget | None = None) -> list[dict[str, Any]]:
+    """Begin the handshake on every share, then wait for all (the gate needs every rank).
+
+    With `target`, stop waiting as soon as that process has exited.
+    """
+    for w in group:
+        w.begin("handshake", timeout_s=timeout_s)
+    if target is not None:
+        deadline = time.monotonic() + timeout_s + 60
+        while not all(w.answered() for w in group):
+            if not target.alive():
+                raise DriverError(f"{target.spec.name} exited with "
+                                  f"{target.process.returncode} during the handshake")
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    return [w.end(timeout_s + 60) for w in group]
+
+
+def _mib(kib: int) -> float:
+    return round(kib / 1024, 1)
+
+
+def _cpu_pct(target: RunningTarget, seconds: float) -> float:
+    """The target's CPU use (% of one core) over the next `seconds`."""
+    c0, m0 = target.cpu_seconds(), time.monotonic()
+    time.sleep(seconds)
+    return round(100 * (target.cpu_seconds() - c0) / (time.monotonic() - m0), 2)
+
+
+def _workers_cpu(workers: list[Worker]) -> float:
+    total = 0.0
+    for w in workers:
+        with contextlib.suppress(OSError, ValueError):
+            total += process_cpu_seconds(w.process.pid)
+    return total
 
 
 def _sync_mode(session: Session) -> str:
@@ -806,7 +1326,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description="Benchmark the coordinator against a no-logic floor (and a peer) in the "
         "same run; write bench/results/<scenario>.json, summary.png and SUMMARY.md.",
     )
-    parser.add_argument("--quick", action="store_true", help="about a minute: fewer "
+    parser.add_argument("--quick", action="store_true", help="a few minutes: fewer "
                         "repetitions and shorter runs")
     parser.add_argument("--smoke", action="store_true", help="tiny counts, seconds per "
                         "scenario: only checks that the harness runs (for tests)")
@@ -814,11 +1334,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"run only this scenario (repeatable): {', '.join(SCENARIOS)}")
     parser.add_argument("--peer", default=None, metavar="COMMAND",
                         help="also drive this coordinator through scenarios "
-                        f"{', '.join(PEER_SCENARIOS)}; '{{addr_file}}' and '{{engines}}' are "
-                        "substituted; it must write an address file with back_output, "
-                        "back_publish and front_publish")
-    parser.add_argument("--peer-name", default="peer", metavar="LABEL",
-                        help="what to call the peer in the JSON files (default: peer)")
+                        f"{', '.join(PEER_SCENARIOS)}: '{VLLM_PEER}' for vLLM 0.33's own "
+                        "coordinator (unmodified, from its wheel, fetched into a cache on "
+                        "first use), or a command line in which '{addr_file}' and "
+                        "'{engines}' are substituted that writes an address file with "
+                        "back_output, back_publish and front_publish")
+    parser.add_argument("--peer-name", default=DEFAULT_PEER_NAME, metavar="LABEL",
+                        help="what to call the peer in the JSON files (default: "
+                        f"{DEFAULT_PEER_NAME}, or {VLLM_PEER_LABEL!r} for --peer {VLLM_PEER})")
     parser.add_argument("--no-uvloop", action="store_true",
                         help="run our coordinator on plain asyncio only (no uvloop on/off "
                         "comparison)")
@@ -826,10 +1349,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="skip the uvloop on/off comparison (faster)")
     parser.add_argument("--no-floor", action="store_true", help="skip the floor baseline")
     parser.add_argument("--reps", type=int, default=None, help="repetitions per measurement")
-    parser.add_argument("--out", default=RESULTS_DIR, metavar="DIR",
-                        help="where to write results (default bench/results)")
+    parser.add_argument("--out", default=None, metavar="DIR",
+                        help="where to write results (default: bench/results for a full run, "
+                        "bench/results/quick or bench/results/smoke, both git-ignored, for "
+                        "the others; only a full run may write bench/results)")
     parser.add_argument("--no-figure", action="store_true", help="skip summary.png")
     return parser.parse_args(argv)
+
+
+def vllm_peer_command() -> str | None:
+    """The command that runs vLLM's own coordinator, with its wheel in the cache; None if absent.
+
+    The wheel is fetched here, before any target starts, so that no timed
+    start-up waits for a 336 MB download.
+    """
+    from tools import vllm_wheel
+
+    log(f"peer: vLLM {vllm_wheel.VLLM_VERSION}'s coordinator from its wheel "
+        f"(cache {vllm_wheel.cache_dir()})")
+    try:
+        vllm_wheel.extract(vllm_wheel.COORDINATOR_REAL)
+    except vllm_wheel.WheelUnavailable as exc:
+        log(f"peer vllm skipped: {exc}")
+        return None
+    return (f"{shlex.quote(sys.executable)} -m bench.vllm_peer --engines {{engines}} "
+            "--addr-file {addr_file}")
 
 
 def _interrupt(*_: object) -> None:
@@ -856,6 +1400,11 @@ def main(argv: list[str] | None = None) -> int:
     plan = SMOKE if args.smoke else QUICK if args.quick else FULL
     if args.reps is not None:
         plan = replace(plan, reps=max(1, args.reps))
+    try:
+        out_dir = output_dir(plan.mode, args.out)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
     specs: list[TargetSpec] = []
     if args.no_uvloop or not uvloop_available():
         specs.append(replace(OURS_ASYNCIO, name="ours"))
@@ -865,14 +1414,21 @@ def main(argv: list[str] | None = None) -> int:
             specs.append(OURS_ASYNCIO)
     if not args.no_floor:
         specs.append(FLOOR)
+    peer_label = None
     if args.peer:
-        specs.append(peer_spec(args.peer))
+        command: str | None = args.peer
         peer_label = args.peer_name
-    else:
-        peer_label = None
+        if args.peer == VLLM_PEER:
+            command = vllm_peer_command()
+            if peer_label == DEFAULT_PEER_NAME:
+                peer_label = VLLM_PEER_LABEL
+        if command is not None:
+            specs.append(peer_spec(command))
+        else:
+            peer_label = None
     raise_fd_limit()
     command = "python -m bench " + " ".join(sys.argv[1:] if argv is None else argv)
-    bench = Bench(plan, args.out, specs, command.strip(), peer_label)
+    bench = Bench(plan, out_dir, specs, command.strip(), peer_label)
     started = time.monotonic()
     log(f"{plan.mode} run: scenarios {', '.join(chosen)}; targets "
         f"{', '.join(s.name for s in specs)}; {plan.reps} repetition(s)")
@@ -895,6 +1451,6 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     from bench import summary
 
-    summary.write_summary(args.out, figure=not args.no_figure)
+    summary.write_summary(out_dir, figure=not args.no_figure)
     log(f"done in {time.monotonic() - started:.1f} s")
     return 1 if failed else 0

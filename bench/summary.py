@@ -87,6 +87,12 @@ class Table:
             "" if met is None else ("met" if met else "**missed**"),
         ])
 
+    def add_cells(self, metric: str, ours: str, floor: str = "-", *, goal: str = "",
+                  met: bool | None = None) -> None:
+        """One row of ready-made text (values that are not medians of one key)."""
+        self.rows.append([metric, ours, floor, "-", "-", "-", "-", goal,
+                          "" if met is None else ("met" if met else "**missed**")])
+
     def markdown(self) -> str:
         header = ["Metric", "ours", "floor", "ours/floor", "peer", "ours/peer",
                   "uvloop/asyncio", "target", "result"]
@@ -160,7 +166,90 @@ def build_table(results: dict[str, dict[str, Any]]) -> Table:
         values = {name: t.get("rss_after_stats_mib") for name, t in case["targets"].items()}
         table.add_values(f"RSS after stats, N={case['params']['engines']} (MiB)", values,
                          digits=1, goal="≤ 80", met=_met(rss, "RSS"))
+    scale = results.get("scale")
+    if scale:
+        _scale_rows(table, scale)
+    cpu = results.get("cpu")
+    if cpu:
+        case = cpu["cases"][0]
+        p = case["params"]
+        load = (f"{p['engines']:,} ranks x {p['stats_per_rank_hz']:g} stats/s + "
+                f"{p['submits_per_s']:,.0f} submits/s")
+        table.add(f"CPU, {load} (% of one core)", case, "coordinator_cpu_pct", digits=1,
+                  goal="< 15", met=_met(cpu, "coordinator CPU"))
+        table.add("of which libzmq's I/O threads (% of one core)", case,
+                  "zmq_threads_cpu_pct", digits=1)
+        batched = _target(case, "floor-batched").get("median", {}).get("coordinator_cpu_pct")
+        if batched is not None:
+            values = {"ours": _target(case, "ours").get("median", {}).get(
+                "coordinator_cpu_pct"), "floor": batched}
+            table.add_values("CPU, same load, floor reading in 1 ms batches (% of one core)",
+                             values, digits=1)
     return table
+
+
+def _scale_rows(table: Table, scale: dict[str, Any]) -> None:
+    case = scale["cases"][0]
+    n = case["params"]["engines"]
+    hz = scale["parameters"].get("stats_per_rank_hz")
+    table.add(f"{n:,} ranks: handshake, all READY (ms)", case, "all_ready_ms",
+              goal="≤ 1,000", met=_met(scale, f"handshake of {n} ranks"))
+    table.add(f"{n:,} ranks: wake latency p50 (µs)", case, "wake_p50_us")
+    table.add(f"{n:,} ranks: wake latency p99 (µs)", case, "wake_p99_us",
+              goal="≤ 1.2x floor", met=_met(scale, f"wake p99 at N={n} vs floor"))
+    table.add(f"{n:,} ranks: full publish (bytes)", case, "publish_bytes")
+    table.add(f"{n:,} ranks: publish interval p99, stats at {hz:g}/s per rank (ms)", case,
+              "publish_p99_ms", digits=1)
+    table.add(f"{n:,} ranks: CPU, stats at {hz:g}/s per rank (% of one core)", case,
+              "stats_cpu_pct", digits=1)
+    table.add(f"{n:,} ranks: RSS after stats and wakes (MiB)", case, "rss_end_mib", digits=1,
+              goal="≤ 150", met=_met(scale, f"RSS at N={n}"))
+    fds = scale.get("file_descriptors") or {}
+    for transport in ("ipc", "tcp"):
+        entry = fds.get(transport)
+        if not entry or entry.get("peak") is None:
+            continue
+        after = entry.get("after_handshake")
+        text = f"{entry['peak']:,} / {'-' if after is None else f'{after:,}'}"
+        limit = fds.get("usual_default_soft_limit", 1024)
+        table.add_cells(f"{n:,} ranks: descriptors, handshake peak / after, {transport}", text,
+                        goal=f"≤ {limit:,} (usual soft limit)", met=entry["peak"] <= limit)
+
+
+def notes(results: dict[str, dict[str, Any]]) -> list[str]:
+    """Lines under the table for what a row cannot say."""
+    out: list[str] = []
+    scale = results.get("scale")
+    fds = (scale or {}).get("file_descriptors") or {}
+    for key, entry in fds.items():
+        if "_soft_limit_" not in key or not isinstance(entry, dict):
+            continue
+        transport = key.split("_", 1)[0]
+        n = scale["cases"][0]["params"]["engines"] if scale else "?"
+        limit = f"{entry.get('soft_limit'):,}"
+        if entry.get("handshake") == "complete":
+            out.append(f"- Under a soft RLIMIT_NOFILE of {limit}, over {transport}, our "
+                       f"coordinator served all {n:,} ranks.")
+            continue
+        lines = [line.strip() for line in (entry.get("log_tail") or "").splitlines()
+                 if line.strip()]
+        tail = lines[-1][-200:] if lines else ""
+        fate = ("exited" + (f" (`{tail}`)" if tail else "") if entry.get("alive") is False
+                else "stayed up" + (f" (log: `{tail}`)" if tail else " and logged nothing"))
+        out.append(f"- Under a soft RLIMIT_NOFILE of {limit} (the usual default), over "
+                   f"{transport}, our coordinator did not serve {n:,} ranks: the handshake "
+                   f"{entry.get('handshake')} and the process {fate}.")
+    if fds.get("ranks_within_usual_soft_limit") is not None:
+        out.append(f"- Descriptors grow by {fds['peak_per_rank']:g} per rank while ranks "
+                   "handshake at once, so a soft limit of "
+                   f"{fds['usual_default_soft_limit']:,} holds about "
+                   f"{fds['ranks_within_usual_soft_limit']:,} ranks.")
+    cpu = results.get("cpu")
+    if cpu and "floor-batched" in cpu.get("targets", []):
+        out.append("- *floor reading in 1 ms batches*: the floor process sleeping 1 ms after "
+                   "each round of draining its sockets, so input gathers between wake-ups; "
+                   "what coalesced reads could save in CPU, at up to 1 ms of latency.")
+    return out
 
 
 def machine_line(results: dict[str, dict[str, Any]]) -> tuple[str, str]:
@@ -200,14 +289,17 @@ def write_markdown(directory: str, results: dict[str, dict[str, Any]]) -> str:
         table.markdown(),
         "",
     ]
-    notes = []
+    extra = notes(results)
+    if extra:
+        lines += [*extra, ""]
+    notes_missed = []
     for data in results.values():
         for check in data.get("checks", []):
             if check.get("met") is False:
-                notes.append(f"- {check['name']}: {_fmt(check['value'], 2)} {check['unit']} "
-                             f"(target {check['goal']})")
-    if notes:
-        lines += ["Targets missed in this run:", "", *notes, ""]
+                notes_missed.append(f"- {check['name']}: {_fmt(check['value'], 2)} "
+                                    f"{check['unit']} (target {check['goal']})")
+    if notes_missed:
+        lines += ["Targets missed in this run:", "", *notes_missed, ""]
     path = os.path.join(directory, "SUMMARY.md")
     with open(path, "w") as handle:
         handle.write("\n".join(lines))
@@ -240,7 +332,7 @@ def write_figure(directory: str, results: dict[str, dict[str, Any]]) -> str | No
         if not data:
             ax.text(0.5, 0.5, "not run", ha="center", transform=ax.transAxes)
             return
-        styles = ["-", "--", ":"]
+        styles = ["-", "--", ":", "-."]
         # Stop the axis a little past the largest p99.5: a single stall of a
         # neighbour's making should not squash every curve to the left edge.
         curves = [t[key] for case in data["cases"] for t in case["targets"].values()
@@ -267,7 +359,12 @@ def write_figure(directory: str, results: dict[str, dict[str, Any]]) -> str | No
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
 
-    cdf_panel(axes[0][0], results.get("wake"), "cdf_us", "Wake latency (start_wave → all "
+    wake = results.get("wake")
+    scale = results.get("scale")
+    if scale:
+        # The many-rank wakes belong on the same axis as the others.
+        wake = {"cases": [*(wake or {}).get("cases", []), *scale["cases"]]}
+    cdf_panel(axes[0][0], wake, "cdf_us", "Wake latency (start_wave → all "
               "engines have START_DP_WAVE)", "µs (log; axis ends at 3x the largest p95)")
     cdf_panel(axes[0][1], results.get("first_request"), "cdf_us", "First request (submit → "
               "request + every wake delivered)", "µs (log; axis ends at 3x the largest p95)")

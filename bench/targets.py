@@ -10,6 +10,7 @@ sockets), so vLLM's own coordinator can be plugged in behind a small wrapper.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shlex
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from coordinator._zmq import die_with_parent_preexec
@@ -44,6 +46,7 @@ class TargetSpec:
     kind: str  # "ours", "floor" or "peer"
     loop: str = "uvloop"  # ours only: "uvloop" or "asyncio"
     command: str = ""  # peer only
+    args: tuple[str, ...] = ()  # floor only: extra command-line arguments
 
     @property
     def label(self) -> str:
@@ -53,6 +56,9 @@ class TargetSpec:
 OURS = TargetSpec("ours", "ours")
 OURS_ASYNCIO = TargetSpec("ours-asyncio", "ours", loop="asyncio")
 FLOOR = TargetSpec("floor", "floor")
+# The floor taking its input in 1 ms batches: what a coordinator that coalesces
+# its reads could get down to in CPU, at up to 1 ms more latency.
+FLOOR_BATCHED = TargetSpec("floor-batched", "floor", args=("--coalesce-ms", "1"))
 
 
 def peer_spec(command: str) -> TargetSpec:
@@ -88,6 +94,45 @@ def ours_command(spec: TargetSpec, engines: int, addr_file: str) -> list[str]:
     return [sys.executable, "-m", "coordinator", *serve_args]
 
 
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """utime + stime of `pid` in seconds (/proc/<pid>/stat fields 14 and 15)."""
+    with open(f"/proc/{pid}/stat") as handle:
+        # The command name (field 2) may hold spaces; the fields after it do not.
+        fields = handle.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+
+
+def threads_cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds of `pid` split into libzmq's background threads and the rest.
+
+    libzmq names its I/O and reaper threads `ZMQbg/...`; what remains is the
+    interpreter (the event loop and anything it started).
+    """
+    out = {"zmq_threads": 0.0, "python_threads": 0.0}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/task/{tid}/stat") as handle:
+                head, _, rest = handle.read().rpartition(")")
+            fields = rest.split()
+            seconds = (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+            key = "zmq_threads" if "ZMQbg" in head else "python_threads"
+            out[key] += seconds
+    return out
+
+
+def _child_setup(die_with_parent: Callable[[], None] | None, nofile_soft: int | None) -> None:
+    if die_with_parent is not None:
+        die_with_parent()
+    if nofile_soft is not None:
+        import resource
+
+        _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(nofile_soft, hard), hard))
+
+
 @dataclass
 class RunningTarget:
     spec: TargetSpec
@@ -121,6 +166,17 @@ class RunningTarget:
                     values[key] = int(rest.split()[0])
         return values
 
+    def cpu_seconds(self) -> float:
+        """User + system CPU time of the target process (all its threads), from /proc."""
+        return process_cpu_seconds(self.pid)
+
+    def threads_cpu_seconds(self) -> dict[str, float]:
+        return threads_cpu_seconds(self.pid)
+
+    def fd_count(self) -> int:
+        """Open file descriptors of the target process, from /proc."""
+        return len(os.listdir(f"/proc/{self.pid}/fd"))
+
     def stop(self, timeout: float = 5.0) -> None:
         if self.process.poll() is None:
             self._signal(signal.SIGTERM)
@@ -129,9 +185,29 @@ class RunningTarget:
             except subprocess.TimeoutExpired:
                 self._signal(signal.SIGKILL)
                 self.process.wait(timeout)
+        if self.group:
+            # The shell that led the group may be gone while what it started is not.
+            deadline = time.monotonic() + timeout
+            while self._group_alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if self._group_alive():
+                self._signal(signal.SIGKILL)
         import shutil
 
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def _group_alive(self) -> bool:
+        """True while a process of the target's group still runs (zombies aside)."""
+        pgid = str(self.process.pid)
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{entry}/stat") as handle:
+                    fields = handle.read().rpartition(")")[2].split()
+                if fields[2] == pgid and fields[0] != "Z":
+                    return True
+        return False
 
     def _signal(self, signum: int) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -141,19 +217,25 @@ class RunningTarget:
                 self.process.send_signal(signum)
 
 
-def start_target(spec: TargetSpec, *, engines: int, mode: str, timeout: float = 60.0
+def start_target(spec: TargetSpec, *, engines: int, mode: str, timeout: float = 60.0,
+                 extra_args: Sequence[str] = (), nofile_soft: int | None = None
                  ) -> RunningTarget:
-    """Start `spec` for `engines` engines and wait for its address file."""
+    """Start `spec` for `engines` engines and wait for its address file.
+
+    `extra_args` go to our coordinator's command line (e.g. `--host 127.0.0.1`
+    for tcp); `nofile_soft` sets the target's soft RLIMIT_NOFILE, to see how
+    it fares under a limit other than the harness's raised one.
+    """
     workdir = tempfile.mkdtemp(prefix=f"bench-{spec.name}-")
     addr_file = os.path.join(workdir, "addresses.json")
     stderr_path = os.path.join(workdir, "stderr.log")
     group = False
     if spec.kind == "ours":
-        argv: list[str] | str = ours_command(spec, engines, addr_file)
+        argv: list[str] | str = [*ours_command(spec, engines, addr_file), *extra_args]
         keys = ALL_KEYS
     elif spec.kind == "floor":
         argv = [sys.executable, "-m", "bench.floor", "--mode", mode, "--engines", str(engines),
-                "--addr-file", addr_file]
+                "--addr-file", addr_file, *spec.args]
         keys = ALL_KEYS
     elif spec.kind == "peer":
         argv = spec.command.replace("{addr_file}", shlex.quote(addr_file)).replace(
@@ -169,8 +251,10 @@ def start_target(spec: TargetSpec, *, engines: int, mode: str, timeout: float = 
     with open(stderr_path, "wb") as stderr:
         process = subprocess.Popen(
             argv, shell=isinstance(argv, str), stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=group, env=env,
-            preexec_fn=die_with_parent_preexec(),
+            # A peer may log to stdout (vLLM does): keep it with stderr for the tail.
+            stdout=stderr if spec.kind == "peer" else subprocess.DEVNULL, stderr=stderr,
+            start_new_session=group, env=env,
+            preexec_fn=functools.partial(_child_setup, die_with_parent_preexec(), nofile_soft),
         )
     target = RunningTarget(spec, engines, process, {}, workdir, stderr_path, group)
     deadline = time.monotonic() + timeout

@@ -34,8 +34,10 @@ class StatsTemplate:
 
     `num_waiting_reqs` carries the engine's cumulative message count (the
     monitor reads it back from the coordinator's publishes to see how far
-    ingestion got) and `step_counter` the same count, so each engine's steps
-    only go forward, as a lockstep engine's do.
+    ingestion got). `step_counter` is the group's step: senders pass a step
+    shared by every rank (see `lockstep_step`), so steps only go forward
+    across the whole group, as in a lockstep group; without one it is the
+    message count.
     """
 
     def __init__(self, rank: int, *, running: int = 3, kv_cache_usage: float = 0.25) -> None:
@@ -54,12 +56,27 @@ class StatsTemplate:
         self._waiting_at = _u32_offset(frame, _WAITING_KEY)
         self._step_at = _u32_offset(frame, _STEP_KEY)
 
-    def set_counter(self, value: int) -> bytearray:
-        """Write `value` as both waiting count and step; return the frame to send."""
+    def set_counter(self, value: int, step: int | None = None) -> bytearray:
+        """Write `value` as the waiting count and `step` (default: `value`) as the step."""
         value &= 0x7FFFFFFF
         _U32.pack_into(self.buffer, self._waiting_at, value)
-        _U32.pack_into(self.buffer, self._step_at, value)
+        _U32.pack_into(self.buffer, self._step_at, value if step is None else step & 0x7FFFFFFF)
         return self.buffer
+
+
+# A lockstep group's steps, as every sender process sees them: one step per
+# STEP_NS of CLOCK_MONOTONIC (shared by the processes of one machine).
+STEP_NS = 10_000_000
+
+
+def lockstep_step(now_ns: int) -> int:
+    """The group step at `now_ns` (`time.perf_counter_ns()`), the same in every process.
+
+    If every rank counted its own messages as steps, senders in different
+    processes would drift apart and a coordinator comparing steps across
+    ranks (vLLM's does) would see half the reports as out of order.
+    """
+    return now_ns // STEP_NS
 
 
 def start_wave_report(rank: int, wave: int) -> bytes:
