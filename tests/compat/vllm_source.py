@@ -94,14 +94,18 @@ def extracted(relative_path: str) -> Path:
     return target
 
 
-def load_vllm_module(name: str, stubs: Mapping[str, Mapping[str, Any]]) -> types.ModuleType:
+def load_vllm_module(
+    name: str, stubs: Mapping[str, Mapping[str, Any]], *, package: bool = False
+) -> types.ModuleType:
     """Import vLLM's module `name` (dotted) unmodified, with `stubs` standing in for its imports.
 
     `stubs` maps module names to the attributes their stand-ins carry. Parent
-    packages are created empty. `sys.modules` is restored afterwards; the
-    loaded module keeps its references to the stand-ins.
+    packages are created empty. `package=True` loads the package's
+    `__init__.py`. `sys.modules` is restored afterwards; the loaded module
+    keeps its references to the stand-ins.
     """
-    path = extracted(name.replace(".", "/") + ".py")
+    relative = name.replace(".", "/") + ("/__init__.py" if package else ".py")
+    path = extracted(relative)
     wanted = {name, *stubs}
     for module_name in list(wanted):
         parts = module_name.split(".")
