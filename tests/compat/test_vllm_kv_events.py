@@ -11,6 +11,7 @@ goes through the per-rank port offset.
 from __future__ import annotations
 
 import logging
+import socket
 import time
 import types
 from collections.abc import Iterator
@@ -167,12 +168,12 @@ class Running:
     replay_address: str
 
 
-def _free_port(ctx: zmq.Context[zmq.Socket[bytes]]) -> int:
-    probe = ctx.socket(zmq.ROUTER)
-    try:
-        port = probe.bind_to_random_port("tcp://127.0.0.1", min_port=20_000, max_port=60_000)
-    finally:
-        probe.close(linger=0)
+def _free_port() -> int:
+    # A plain socket closes at once; a ZMQ socket closes later, in ZMQ's I/O
+    # thread, and could still hold the port when the publisher binds it.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
     return port
 
 
@@ -190,8 +191,8 @@ def running(
         f"tcp://127.0.0.1:{live_port}", True
     )
     publisher = None
-    for _ in range(5):
-        replay_port = _free_port(zmq_ctx)
+    for _ in range(5):  # another process may take the probed port first
+        replay_port = _free_port()
         replay_endpoint = f"tcp://127.0.0.1:{replay_port - RANK}"
         try:
             publisher = vllm_kv.ZmqEventPublisher(
@@ -202,7 +203,7 @@ def running(
                 topic="kv",
             )
             break
-        except zmq.ZMQError:  # the probed port was taken meanwhile
+        except zmq.ZMQError:
             continue
     assert publisher is not None, "no free port for vLLM's replay socket"
     replay = subscription_for(replay_endpoint, RANK, replay=True)
