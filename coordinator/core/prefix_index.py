@@ -8,14 +8,19 @@ turns them into one question answered for every rank at once: *for this
 prompt, how many leading tokens would each rank find in its prefix cache?*
 
 Keys. A block is keyed by the coordinator's own content hash, chained like
-the engine's: ``key = H(parent key, the block's tokens, its extra keys)``,
-where the first block's parent is a fixed root and ``H`` is BLAKE2b-128
-(optionally keyed with a secret, so nobody can aim a collision at the
-index). Extra keys are whatever else the engine mixes into the block's
-hash and also publishes: the LoRA adapter's name, multimodal items
-(identifier and offset inside the block) and the cache salt (first block
-only); they are hashed as published, in msgpack form. The engine's own
-block hashes are not usable as keys: they are seeded per process unless
+the engine's: ``key = hash((parent key, the block's tokens, its extras))``,
+where the first block's parent is a fixed root, the tokens are their
+uint32 bytes and the extras are whatever else the engine mixes into the
+block's hash and also publishes (the LoRA adapter's name, multimodal items
+with their offset inside the block, the cache salt on the first block),
+in msgpack form. ``hash`` is Python's own: 64 bits, with the bytes hashed
+by SipHash under the interpreter's per-process random key, so nobody
+outside the process can aim a collision at the index (unless the
+coordinator itself runs with ``PYTHONHASHSEED`` set), and a chance
+collision among a million keys has odds near 1 in 10^13. It is several
+times faster than a cryptographic digest, and prompts are hashed on the
+request path. Keys never leave the process. The engine's own block hashes
+are not usable as keys: they are seeded per process unless
 ``PYTHONHASHSEED`` is set, so the coordinator cannot compute them for a new
 prompt. They are kept per rank only to find a stored block's parent and to
 apply removals.
@@ -76,11 +81,10 @@ This module does no IO and reads no clock.
 
 from __future__ import annotations
 
-import hashlib
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import msgspec
 
@@ -101,18 +105,20 @@ __all__ = [
     "BYTES_PER_RANK_BLOCK",
     "DEFAULT_MAX_BLOCKS",
     "DEFAULT_MAX_BLOCKS_PER_RANK",
-    "KEY_BYTES",
     "ROOT_KEY",
+    "BlockKey",
     "BlockKeyer",
     "IndexCounters",
     "PrefixIndex",
     "PromptBlocks",
     "extra_key_bytes",
     "prompt_extras",
+    "token_bytes",
 ]
 
-KEY_BYTES = 16
-ROOT_KEY = bytes(KEY_BYTES)
+BlockKey: TypeAlias = int
+# The parent of a sequence's first block.
+ROOT_KEY: BlockKey = 0
 
 # A rank's KV cache rarely exceeds a few hundred thousand blocks; the caps
 # are there for lost removals and misbehaving publishers, not for normal use.
@@ -120,11 +126,11 @@ DEFAULT_MAX_BLOCKS_PER_RANK = 1 << 18
 DEFAULT_MAX_BLOCKS = 1 << 20
 
 # Measured with tracemalloc on CPython 3.11 (64-bit): one (rank, block) entry
-# (slots in `by_hash` and `refs`, the engine hash, the key) took 205 bytes
-# with 32-byte engine hashes and 176 with integer ones; one distinct key's
+# (slots in `by_hash` and `refs`, the engine hash, the key) took 192 bytes
+# with 32-byte engine hashes and 162 with integer ones; one distinct key's
 # `owners` slot took 52, plus up to ~40 for the rank bit set of high ranks.
 # So the default caps bound the index at about 300 MB.
-BYTES_PER_RANK_BLOCK = 210
+BYTES_PER_RANK_BLOCK = 200
 BYTES_PER_KEY = 90
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -179,39 +185,33 @@ def prompt_extras(
 
 
 class BlockKeyer:
-    """Computes chained block keys for one block size (and optional secret)."""
+    """Computes chained block keys for one block size."""
 
-    __slots__ = ("_hash_key", "block_size")
+    __slots__ = ("block_size",)
 
-    def __init__(self, block_size: int, secret: bytes = b"") -> None:
+    def __init__(self, block_size: int) -> None:
         if type(block_size) is not int or block_size < 1:
             raise ValueError(f"block size must be a positive int, got {block_size!r}")
-        if len(secret) > hashlib.blake2b.MAX_KEY_SIZE:
-            raise ValueError(f"secret must be at most {hashlib.blake2b.MAX_KEY_SIZE} bytes")
         self.block_size = block_size
-        self._hash_key = bytes(secret)
 
-    def key(self, parent: bytes, block: bytes | memoryview, extra: bytes = b"") -> bytes:
+    @staticmethod
+    def key(parent: BlockKey, block: bytes | memoryview, extra: bytes = b"") -> BlockKey:
         """The key of one block: its parent's key, its tokens as uint32 bytes, its extras."""
-        digest = hashlib.blake2b(parent, digest_size=KEY_BYTES, key=self._hash_key)
-        digest.update(block)
-        if extra:
-            digest.update(extra)
-        return digest.digest()
+        return hash((parent, block, extra))
 
     def chain(
         self,
         tokens: Sequence[int],
         extras: Sequence[bytes] | None = None,
-        parent: bytes = ROOT_KEY,
-    ) -> list[bytes]:
+        parent: BlockKey = ROOT_KEY,
+    ) -> list[BlockKey]:
         """Keys of every full block of ``tokens``, chained from ``parent``."""
-        data = token_bytes(tokens)
+        data = memoryview(token_bytes(tokens))
         step = 4 * self.block_size
-        keys: list[bytes] = []
+        keys: list[BlockKey] = []
         for index in range(len(tokens) // self.block_size):
             extra = extras[index] if extras is not None else b""
-            parent = self.key(parent, data[index * step : (index + 1) * step], extra)
+            parent = hash((parent, data[index * step : (index + 1) * step], extra))
             keys.append(parent)
         return keys
 
@@ -234,29 +234,28 @@ class PromptBlocks:
     and query it as often as needed; keys computed by one query are reused.
     """
 
-    __slots__ = ("_data", "_extras", "_keyer", "keys", "num_blocks")
+    __slots__ = ("_data", "_extras", "_step", "keys", "num_blocks")
 
     def __init__(
-        self, keyer: BlockKeyer, tokens: Sequence[int], extras: Sequence[bytes] | None
+        self, block_size: int, tokens: Sequence[int], extras: Sequence[bytes] | None
     ) -> None:
-        self._keyer = keyer
         # The engine always computes the last prompt token itself.
-        self.num_blocks = max(0, len(tokens) - 1) // keyer.block_size
-        self._data = token_bytes(tokens[: self.num_blocks * keyer.block_size])
+        self.num_blocks = max(0, len(tokens) - 1) // block_size
+        self._data = memoryview(token_bytes(tokens[: self.num_blocks * block_size]))
+        self._step = 4 * block_size
         self._extras = extras
-        self.keys: list[bytes] = []
+        self.keys: list[BlockKey] = []
 
-    def key(self, index: int) -> bytes:
+    def key(self, index: int) -> BlockKey:
         """The key of block ``index`` (computing the keys before it as needed)."""
         keys = self.keys
+        step = self._step
+        extras = self._extras
         while len(keys) <= index:
             position = len(keys)
-            step = 4 * self._keyer.block_size
             parent = keys[-1] if keys else ROOT_KEY
-            extra = self._extras[position] if self._extras is not None else b""
-            keys.append(
-                self._keyer.key(parent, self._data[position * step : (position + 1) * step], extra)
-            )
+            extra = extras[position] if extras is not None else b""
+            keys.append(hash((parent, self._data[position * step : (position + 1) * step], extra)))
         return keys[index]
 
 
@@ -278,8 +277,8 @@ class _RankBlocks:
     __slots__ = ("by_hash", "refs")
 
     def __init__(self) -> None:
-        self.by_hash: dict[BlockHash, bytes] = {}
-        self.refs: dict[bytes, int] = {}
+        self.by_hash: dict[BlockHash, BlockKey] = {}
+        self.refs: dict[BlockKey, int] = {}
 
 
 class PrefixIndex:
@@ -293,11 +292,10 @@ class PrefixIndex:
         max_blocks: int = DEFAULT_MAX_BLOCKS,
         group_idx: int = 0,
         media: Iterable[str | None] = (None, MEDIUM_GPU),
-        secret: bytes = b"",
     ) -> None:
         if max_blocks_per_rank < 1 or max_blocks < 1:
             raise ValueError("block caps must be >= 1")
-        self.keyer = BlockKeyer(block_size, secret)
+        self.keyer = BlockKeyer(block_size)
         self.block_size = block_size
         self.max_blocks_per_rank = max_blocks_per_rank
         self.max_blocks = max_blocks
@@ -305,7 +303,7 @@ class PrefixIndex:
         self.media = frozenset(media)
         self.counters = IndexCounters()
         self._ranks: dict[int, _RankBlocks] = {}
-        self._owners: dict[bytes, int] = {}
+        self._owners: dict[BlockKey, int] = {}
         self._total = 0
 
     # --- sizes -----------------------------------------------------------
@@ -387,22 +385,23 @@ class PrefixIndex:
             self.counters.skipped_blocks += count
             return
         if event.parent_block_hash is None:
-            parent: bytes | None = ROOT_KEY
+            parent: BlockKey | None = ROOT_KEY
         else:
             parent = state.by_hash.get(event.parent_block_hash)
         if parent is None:
             self.counters.orphan_blocks += count
             return
-        data = token_bytes(event.token_ids)
+        data = memoryview(token_bytes(event.token_ids))
         step = 4 * block_size
-        key_of = self.keyer.key
         for index, engine_hash in enumerate(hashes):
             extra = extra_key_bytes(extras[index]) if extras is not None else b""
-            parent = key_of(parent, data[index * step : (index + 1) * step], extra)
+            parent = hash((parent, data[index * step : (index + 1) * step], extra))
             self._store(rank, state, engine_hash, parent)
         self.counters.stored_blocks += count
 
-    def _store(self, rank: int, state: _RankBlocks, engine_hash: BlockHash, key: bytes) -> None:
+    def _store(
+        self, rank: int, state: _RankBlocks, engine_hash: BlockHash, key: BlockKey
+    ) -> None:
         by_hash = state.by_hash
         old = by_hash.pop(engine_hash, None)
         if old is not None:
@@ -441,7 +440,7 @@ class PrefixIndex:
         self._unref(rank, state, key)
         self.counters.evicted_at_cap += 1
 
-    def _unref(self, rank: int, state: _RankBlocks, key: bytes) -> None:
+    def _unref(self, rank: int, state: _RankBlocks, key: BlockKey) -> None:
         held = state.refs[key] - 1
         if held:
             state.refs[key] = held
@@ -487,7 +486,7 @@ class PrefixIndex:
         self, tokens: Sequence[int], extras: Sequence[bytes] | None = None
     ) -> PromptBlocks:
         """Prepare ``tokens`` (with per-block ``extras`` from ``prompt_extras``) for queries."""
-        return PromptBlocks(self.keyer, tokens, extras)
+        return PromptBlocks(self.block_size, tokens, extras)
 
     def prompt_for(self, request: AddRequestHead) -> PromptBlocks | None:
         """Prepare a decoded ADD request, or None if the index cannot match it."""
@@ -502,7 +501,7 @@ class PrefixIndex:
             mm_features=request.mm_features,
             cache_salt=request.cache_salt,
         )
-        return PromptBlocks(self.keyer, tokens, extras)
+        return PromptBlocks(self.block_size, tokens, extras)
 
     def cached_blocks(self, prompt: PromptBlocks, ranks: Sequence[int]) -> list[int]:
         """For each of ``ranks``, how many of the prompt's leading blocks it holds."""
@@ -511,11 +510,24 @@ class PrefixIndex:
             if rank in self._ranks:
                 alive |= 1 << rank
         depth_of: dict[int, int] = {}
-        owners = self._owners
+        get_owners = self._owners.get
+        # The prompt's keys, extended here as the walk goes (the hot loop of a
+        # query, so PromptBlocks.key is inlined).
+        keys = prompt.keys
+        data, step, extras = prompt._data, prompt._step, prompt._extras
+        known = len(keys)
+        parent = keys[-1] if keys else ROOT_KEY
         index = 0
         limit = prompt.num_blocks
         while alive and index < limit:
-            held = owners.get(prompt.key(index), 0) & alive
+            if index < known:
+                key = keys[index]
+            else:
+                extra = extras[index] if extras is not None else b""
+                key = hash((parent, data[index * step : (index + 1) * step], extra))
+                keys.append(key)
+                parent = key
+            held = get_owners(key, 0) & alive
             if held != alive:
                 gone = alive & ~held
                 while gone:

@@ -22,6 +22,7 @@ from coordinator.core.prefix_index import (
     PromptBlocks,
     extra_key_bytes,
     prompt_extras,
+    token_bytes,
 )
 from coordinator.protocol.engine_request import (
     AddRequestHead,
@@ -408,24 +409,22 @@ def test_sizes_and_the_memory_estimate() -> None:
 # --- keys and arguments ---------------------------------------------------------------------
 
 
-def test_keys_chain_and_depend_on_the_secret() -> None:
-    plain, keyed = BlockKeyer(BS), BlockKeyer(BS, secret=b"k" * 16)
-    tokens = A + B + [1]
-    assert plain.chain(tokens) != keyed.chain(tokens)
-    first, second = plain.chain(tokens)
-    assert plain.chain(B) != [second]  # a block's key depends on what came before it
-    assert plain.chain(A, [extra_key_bytes(["x"])]) != [first]
-    # A keyed index still matches what it stored.
-    index = PrefixIndex(BS, secret=b"k" * 16)
-    apply(index, 0, stored([b"a"], A))
-    assert cached(index, prompt_of(A), [0]) == [4]
+def test_keys_chain_over_tokens_and_extras() -> None:
+    keyer = BlockKeyer(BS)
+    first, second = keyer.chain(A + B + [1])
+    assert keyer.chain(A + B) == [first, second]
+    assert keyer.chain(B) != [second]  # a block's key depends on what came before it
+    assert keyer.chain(B, parent=first) == [second]
+    assert keyer.chain(A, [extra_key_bytes(["x"])]) != [first]
+    assert keyer.key(first, token_bytes(B)) == second
+    # The prompt's lazily computed keys are the same chain.
+    prompt = PrefixIndex(BS).prompt(A + B + [1])
+    assert prompt.key(1) == second and prompt.keys == [first, second]
 
 
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError):
         BlockKeyer(0)
-    with pytest.raises(ValueError):
-        BlockKeyer(BS, secret=bytes(65))
     with pytest.raises(ValueError):
         PrefixIndex(BS, max_blocks=0)
     with pytest.raises(ValueError):
