@@ -174,6 +174,6 @@ class PrefixIndexMachine(RuleBasedStateMachine):
 
 
 PrefixIndexMachine.TestCase.settings = settings(
-    max_examples=200, stateful_step_count=60, deadline=None
+    max_examples=150, stateful_step_count=50, deadline=None
 )
 TestPrefixIndex = PrefixIndexMachine.TestCase
