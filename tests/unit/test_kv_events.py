@@ -386,6 +386,7 @@ def test_bad_replay_replies(frames: list[bytes], reason: str) -> None:
         ("tcp://*:0", 3, "tcp://*:0"),
         ("tcp://10.1.2.3:6000", 7, "tcp://10.1.2.3:6007"),
         ("tcp://[::1]:5557", 2, "tcp://[::1]:5559"),
+        ("tcp_events", 2, "tcp_events"),
         ("inproc://cache", 2, "inproc://cache_dp2"),
         ("ipc:///tmp/kv", 0, "ipc:///tmp/kv"),
         ("", 4, ""),

@@ -166,6 +166,11 @@ def test_keys_are_hashed_only_as_far_as_some_rank_matches() -> None:
     assert len(prompt.keys) == 3  # A, AB, then ABC which nobody holds
     assert index.cached_blocks(prompt, [5]) == [0]
     assert len(prompt.keys) == 3  # no rank alive: nothing more to hash
+    # A later query reuses the keys already computed and extends them.
+    apply(index, 1, stored([b"a", b"b", b"c", b"d"], A + B + C + D))
+    assert index.cached_blocks(prompt, [0, 1]) == [2, 4]
+    assert len(prompt.keys) == 5
+    assert prompt.keys == index.keyer.chain(A + B + C + D + A)
 
 
 # --- extra keys ------------------------------------------------------------------------
