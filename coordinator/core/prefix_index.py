@@ -16,10 +16,10 @@ with their offset inside the block, the cache salt on the first block),
 in msgpack form. ``hash`` is Python's own: 64 bits, with the bytes hashed
 by SipHash under the interpreter's per-process random key, so nobody
 outside the process can aim a collision at the index (unless the
-coordinator itself runs with ``PYTHONHASHSEED`` set), and a chance
-collision among a million keys has odds near 1 in 10^13. It is several
-times faster than a cryptographic digest, and prompts are hashed on the
-request path. Keys never leave the process. The engine's own block hashes
+coordinator itself runs with ``PYTHONHASHSEED`` set), and the odds that a
+lookup meets a chance collision among a million held keys are near 1 in
+10^13. It is several times faster than a cryptographic digest, and prompts
+are hashed on the request path. Keys never leave the process. The engine's own block hashes
 are not usable as keys: they are seeded per process unless
 ``PYTHONHASHSEED`` is set, so the coordinator cannot compute them for a new
 prompt. They are kept per rank only to find a stored block's parent and to
