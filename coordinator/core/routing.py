@@ -76,7 +76,7 @@ fits under the current one (then the busiest rank is never chosen); in
 dense mode, ``after`` of the chosen rank is within ``slack_tokens`` of the
 lowest.
 
-``pick_least_loaded`` is the same tie rule for the plain least-loaded
+``pick_least_loaded_sticky`` is the same tie rule for the plain least-loaded
 policy, which has scores but no cache information.
 
 This module does no IO and reads no clock.
@@ -102,7 +102,7 @@ __all__ = [
     "Situation",
     "TokenLoad",
     "choose_rank",
-    "pick_least_loaded",
+    "pick_least_loaded_sticky",
 ]
 
 
@@ -252,7 +252,7 @@ def choose_rank(
     )
 
 
-def pick_least_loaded(
+def pick_least_loaded_sticky(
     scores: Sequence[float],
     candidates: Sequence[int],
     *,

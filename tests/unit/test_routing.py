@@ -20,7 +20,7 @@ from coordinator.core.routing import (
     Situation,
     TokenLoad,
     choose_rank,
-    pick_least_loaded,
+    pick_least_loaded_sticky,
 )
 
 LOCKSTEP = RoutingConfig(lockstep=True, decode_weight=100.0, slack_tokens=200.0)
@@ -209,25 +209,25 @@ def test_equal_raises_go_to_the_prefix() -> None:
 
 
 def test_least_loaded_ties_stick_to_the_session_then_spread() -> None:
-    assert pick_least_loaded([2.0, 1.0, 3.0], [0, 1, 2]) == (1, RouteReason.COST)
-    assert pick_least_loaded([1.0, 1.0, 1.0], [4, 5, 6], session_rank=6) == (
+    assert pick_least_loaded_sticky([2.0, 1.0, 3.0], [0, 1, 2]) == (1, RouteReason.COST)
+    assert pick_least_loaded_sticky([1.0, 1.0, 1.0], [4, 5, 6], session_rank=6) == (
         6,
         RouteReason.SESSION,
     )
     # The session's rank must be among the lowest to count.
-    assert pick_least_loaded([1.0, 2.0], [0, 1], session_rank=1) == (0, RouteReason.COST)
-    assert pick_least_loaded([1.0, 1.0, 1.0], [4, 5, 6], recent=[2, 0, 1]) == (
+    assert pick_least_loaded_sticky([1.0, 2.0], [0, 1], session_rank=1) == (0, RouteReason.COST)
+    assert pick_least_loaded_sticky([1.0, 1.0, 1.0], [4, 5, 6], recent=[2, 0, 1]) == (
         5,
         RouteReason.SPREAD,
     )
-    assert pick_least_loaded([1.0, 1.0], [9, 4]) == (4, RouteReason.RANK)
-    assert pick_least_loaded([], []) is None
+    assert pick_least_loaded_sticky([1.0, 1.0], [9, 4]) == (4, RouteReason.RANK)
+    assert pick_least_loaded_sticky([], []) is None
     with pytest.raises(ValueError):
-        pick_least_loaded([1.0], [0, 1])
+        pick_least_loaded_sticky([1.0], [0, 1])
 
 
 def test_least_loaded_ties_do_not_rotate() -> None:
-    picks = {pick_least_loaded([0.0] * 4, [0, 1, 2, 3], session_rank=2) for _ in range(10)}
+    picks = {pick_least_loaded_sticky([0.0] * 4, [0, 1, 2, 3], session_rank=2) for _ in range(10)}
     assert picks == {(2, RouteReason.SESSION)}
 
 
