@@ -50,21 +50,21 @@ DENSE                   dense mode                       every candidate
 
 Then, among the near-equal ranks of the pool, in this order (``PREFERENCES``):
 
-======  ===================================================================
-reason  the rank preferred
-======  ===================================================================
-prefix  the longest cached prefix
-session the rank that served this request's session last
-load    the lowest ``after(r)``
-spread  the fewest dispatches among the recent ones (``RecentDispatches``)
-rank    the lowest rank id
-======  ===================================================================
+=======  ==================================================================
+reason   the rank preferred
+=======  ==================================================================
+prefix   the longest cached prefix
+session  the rank that served this request's session last
+load     the lowest ``after(r)``
+spread   the fewest dispatches among the recent ones (``RecentDispatches``)
+rank     the lowest rank id
+=======  ==================================================================
 
 A decision's reason is the first preference that separated the chosen
 rank from the runner-up, or ``cost`` when only one rank was near-equal.
 Nothing rotates and nothing is random: the same inputs give the same rank,
-in whatever order the candidates come. Equal ranks go to the session's
-last rank before anything else that is equal, so a multi-turn conversation
+in whatever order the candidates come. Among near-equal ranks with equal
+prefixes the session's last rank goes first, so a multi-turn conversation
 stays where its cache is at low load instead of being spread by a rotating
 tie-break (vLLM issue 52463), and new sessions spread over the ranks that
 recently got least.
