@@ -40,13 +40,13 @@ the load/cache trade-off: the extra load accepted to keep a request on the
 rank with its longest cached prefix or its session (0: lowest cost wins,
 ties still broken below; larger: locality wins over balance more often).
 
-======================  ===============================  ==========================
-situation               when                             pool
-======================  ===============================  ==========================
-FITS_UNDER_MAX          lockstep; some ``after(r) <= M`` ranks with ``after(r) <= M``
-RAISES_MAX              lockstep; every ``after(r) > M`` every candidate
-DENSE                   dense mode                       every candidate
-======================  ===============================  ==========================
+==============  ================================  ============================
+situation       when                              pool
+==============  ================================  ============================
+FITS_UNDER_MAX  lockstep; some ``after(r) <= M``  ranks with ``after(r) <= M``
+RAISES_MAX      lockstep; every ``after(r) > M``  every candidate
+DENSE           dense mode                        every candidate
+==============  ================================  ============================
 
 Then, among the near-equal ranks of the pool, in this order (``PREFERENCES``):
 
