@@ -1,0 +1,156 @@
+"""ADD payloads encoded from vLLM 0.33's own `EngineCoreRequest` and `LoRARequest`.
+
+Both structs come unmodified from the pinned wheel (`vllm/v1/engine/__init__.py`
+and `vllm/lora/request.py`, see `tests/compat/vllm_source.py`), so the field
+positions the decoder relies on are vLLM's. Their other imports are stand-ins:
+torch, numpy and the config classes only appear in annotations, and the two
+multimodal dataclasses are rebuilt with vLLM's field names and order (the
+module that defines them pulls in torch).
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from coordinator.protocol.engine_request import (
+    LoraRef,
+    MultiModalPlaceholder,
+    PlaceholderRange,
+    decode_add_request,
+)
+from tests.compat.vllm_source import load_vllm_module
+
+
+@dataclass(frozen=True)
+class PlaceholderRangeStandIn:
+    offset: int
+    length: int
+    is_embed: Any = None
+
+
+@dataclass
+class MultiModalFeatureSpecStandIn:
+    data: Any
+    modality: str
+    identifier: str
+    mm_position: PlaceholderRangeStandIn
+    mm_hash: str | None = None
+
+
+class SamplingParamsStandIn(msgspec.Struct, omit_defaults=True, dict=True):
+    """Encodes like vLLM's SamplingParams: a map of the fields that differ from defaults."""
+
+    n: int = 1
+    temperature: float = 1.0
+    max_tokens: int | None = 16
+    stop: list[str] = []
+
+
+def _placeholder(name: str) -> type:
+    return type(name, (), {})
+
+
+@pytest.fixture(scope="module")
+def vllm_engine() -> types.ModuleType:
+    lora = load_vllm_module("vllm.lora.request", {})
+    return load_vllm_module(
+        "vllm.v1.engine",
+        {
+            "numpy": {"ndarray": _placeholder("ndarray")},
+            "torch": {"Tensor": _placeholder("Tensor")},
+            "vllm.config.kv_events": {"KVEventsConfig": _placeholder("KVEventsConfig")},
+            "vllm.lora.request": {"LoRARequest": lora.LoRARequest},
+            "vllm.multimodal.inputs": {"MultiModalFeatureSpec": MultiModalFeatureSpecStandIn},
+            "vllm.outputs": {"RequestError": _placeholder("RequestError")},
+            "vllm.pooling_params": {"PoolingParams": _placeholder("PoolingParams")},
+            "vllm.sampling_params": {"SamplingParams": SamplingParamsStandIn},
+            "vllm.v1.kv_hints": {"KvHintsEnvelope": _placeholder("KvHintsEnvelope")},
+            "vllm.v1.metrics.stats": {
+                name: _placeholder(name)
+                for name in ("PrefillStats", "RequestSpecDecodeMetrics", "SchedulerStats")
+            },
+            "vllm.v1.outputs": {
+                name: _placeholder(name)
+                for name in ("LogprobsLists", "LogprobsTensors", "SamplingMaskLists")
+            },
+            "vllm.v1.serial_utils": {"UtilityResult": _placeholder("UtilityResult")},
+        },
+        package=True,
+    )
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    tokens=st.none() | st.lists(st.integers(0, 250_000), max_size=300),
+    lora=st.none() | st.tuples(st.sampled_from(["sql", "chat-v2"]), st.integers(1, 50)),
+    salt=st.none() | st.text(max_size=12),
+    rank=st.none() | st.integers(0, 255),
+    session=st.none() | st.text(max_size=12),
+    features=st.lists(st.tuples(st.integers(0, 400), st.integers(1, 64)), max_size=3),
+    wave=st.integers(0, 1000),
+)
+def test_fields_are_read_at_vllms_positions(
+    vllm_engine: types.ModuleType,
+    tokens: list[int] | None,
+    lora: tuple[str, int] | None,
+    salt: str | None,
+    rank: int | None,
+    session: str | None,
+    features: list[tuple[int, int]],
+    wave: int,
+) -> None:
+    lora_request_class = vllm_engine.LoRARequest
+    request = vllm_engine.EngineCoreRequest(
+        request_id="cmpl-1-0",
+        prompt_token_ids=tokens,
+        mm_features=[
+            MultiModalFeatureSpecStandIn(
+                data=None,
+                modality="image",
+                identifier=f"img-{index}",
+                mm_position=PlaceholderRangeStandIn(offset, length),
+                mm_hash=f"img-{index}",
+            )
+            for index, (offset, length) in enumerate(features)
+        ]
+        or None,
+        sampling_params=SamplingParamsStandIn(temperature=0.0, max_tokens=32, stop=["</s>"]),
+        pooling_params=None,
+        arrival_time=1_700_000_000.5,
+        lora_request=None
+        if lora is None
+        else lora_request_class(
+            lora_name=lora[0], lora_int_id=lora[1], lora_path=f"/lora/{lora[0]}"
+        ),
+        cache_salt=salt,
+        data_parallel_rank=rank,
+        current_wave=wave,
+        priority=2,
+        trace_headers={"traceparent": "00-1-2-01"},
+        session_id=session,
+    )
+    head = decode_add_request(msgspec.msgpack.encode(request))
+    assert head.request_id == "cmpl-1-0"
+    assert head.prompt_token_ids == tokens
+    assert head.mm_features == (
+        [
+            MultiModalPlaceholder(f"img-{index}", PlaceholderRange(offset, length))
+            for index, (offset, length) in enumerate(features)
+        ]
+        or None
+    )
+    assert head.lora_request == (
+        None if lora is None else LoraRef(lora[0], lora[1], f"/lora/{lora[0]}")
+    )
+    assert head.cache_salt == salt
+    assert head.data_parallel_rank == rank
+    assert head.session_id == session
+    assert not head.has_prompt_embeds
+    assert head.cacheable is (tokens is not None)
