@@ -155,10 +155,10 @@ def _check_rejoined(run: PartitionRun) -> None:
     stuck = [rank for rank in run.cut_ranks if rank not in run.ready_again_at]
     if stuck:
         missing.append(
-            f"ranks {stuck} were still {[states.get(r) for r in stuck]} "
-            f"{run.rejoin_deadline_s:.1f} s after the heal, although their engines never "
-            "stopped and their traffic reached the coordinator again (a dead rank is not "
-            "revived by evidence of life)")
+            f"ranks {stuck} were not ready again within {run.rejoin_deadline_s:.1f} s of "
+            f"the heal (at the end: {[states.get(r) for r in stuck]}), although their "
+            "engines never stopped and their traffic reached the coordinator again (a dead "
+            "rank is not revived by evidence of life)")
     probes = [run.by_id()[pid] for pid in run.probe_ids]
     served = {r["rank"] for r in probes if outcome(r) == "completed"}
     idle = [rank for rank in run.cut_ranks if rank not in served]
