@@ -121,9 +121,20 @@ def _check_nothing_lost(run: PartitionRun) -> None:
     assert tally["submit_timeout"] == 0, (
         f"the coordinator beside the frontend left submits unanswered; {run.describe()}")
     assert tally["completed"] > 0
-    # The coordinator's own count agrees with what reached the frontend.
+    # The coordinator's own count, on both of its interfaces, agrees with what reached
+    # the frontend.
     told = sum(n["count"] for n in run.ledger["notices"] if n["kind"] == "requests_failed")
     assert run.status["counters"].get("requests.failed", 0) == told, run.status["counters"]
+    assert _metric(run, 'dp_coordinator_events_total{event="requests.failed"}') == told
+
+
+def _metric(run: PartitionRun, series: str) -> float:
+    """One sample of the coordinator's /metrics text at the end of the run (0 if absent)."""
+    for line in run.metrics.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name == series:
+            return float(value)
+    return 0.0
 
 
 def _check_nothing_restarted(run: PartitionRun) -> None:
@@ -196,6 +207,7 @@ def test_partitioned_engine_host_ranks_die_and_their_requests_fail_none_lost(
         assert not sent, f"requests dispatched to dead dp_rank={rank}: {sent[:10]}"
     _check_nothing_lost(run)
     assert run.status["counters"].get("lease.dead") == len(run.cut_ranks), run.status["counters"]
+    assert _metric(run, "dp_coordinator_lease_expiries_total") == len(run.cut_ranks)
 
 
 @pytest.mark.xfail(strict=True, raises=MissingLivenessRule, reason=(
