@@ -699,8 +699,14 @@ async def test_curve_serves_listed_keys_and_counts_refusals(
             # dispatch carries requests to the engine (first input socket, CURVE).
             submitted = await client.submit("over-curve", [b"payload"], dp_rank=1)
             assert submitted.rank == 1
+            # The group's wake (START_DP_WAVE on back_publish) or a lease probe (an
+            # empty ABORT) may come before the ADD; they travel on other messages.
+            deadline = time.monotonic() + STEP
             request = await engines[1].recv_request(timeout_s=STEP)
-            assert isinstance(request, AddRequest) and request.frames == (b"payload",)
+            while not isinstance(request, AddRequest):
+                request = await engines[1].recv_request(
+                    timeout_s=max(0.01, deadline - time.monotonic()))
+            assert request.frames == (b"payload",)
             # back_output carries stats; front_publish carries them back to the frontend.
             engines[0].send_stats(waiting=4, running=2, kv_cache_usage=0.25)
             await client.wait_for(lambda c: c.counts is not None and c.counts[0][:2] == (4, 2),
