@@ -34,7 +34,11 @@ reported to the user and, in batches, to the coordinator with `Finished`, which
 frees the coordinator's routing entry for each.
 
 Every wait is bounded: each call takes a `timeout` (default `call_timeout_s`) and
-raises `CoordinatorTimeout` when the coordinator does not answer in time.
+raises `CoordinatorTimeout` when the coordinator does not answer in time. When
+the coordinator refuses our CURVE key, requires keys we lack or has none while we
+use some, calls raise `HandshakeFailed` with that reason at once (a socket monitor
+sees it; libzmq gives such a connection up); a dropped CURVE handshake (a wrong
+server key) is named when the call times out.
 """
 
 from __future__ import annotations
@@ -56,7 +60,15 @@ from typing import Any, TypeVar
 import zmq
 import zmq.asyncio
 
-from coordinator._zmq import CLIENT, OUTPUTS, CurveClientKeys, bind, connect
+from coordinator._zmq import (
+    CLIENT,
+    OUTPUTS,
+    CurveClientKeys,
+    HandshakeFailure,
+    HandshakeMonitor,
+    bind,
+    connect_monitored,
+)
 from coordinator.protocol import frontend as fp
 from coordinator.protocol import vllm
 from coordinator.protocol.addresses import tcp_endpoint
@@ -71,6 +83,7 @@ __all__ = [
     "FrontendClient",
     "FrontendClosed",
     "FrontendError",
+    "HandshakeFailed",
     "InvalidRequest",
     "Notice",
     "RegisterError",
@@ -105,6 +118,17 @@ class CoordinatorTimeout(FrontendError, TimeoutError):
         super().__init__(f"no answer from the coordinator to {what} within {timeout_s:g} s")
         self.what = what
         self.timeout_s = timeout_s
+
+
+class HandshakeFailed(FrontendError, ConnectionError):
+    """The connection to the coordinator failed its handshake (CURVE keys); `failure` says why.
+
+    `failure.final`: libzmq gave the connection up; make a new client with the right keys.
+    """
+
+    def __init__(self, failure: HandshakeFailure) -> None:
+        super().__init__(failure.message)
+        self.failure = failure
 
 
 class InvalidRequest(FrontendError, ValueError):
@@ -252,6 +276,8 @@ class FrontendClient:
         self._dealer: zmq.asyncio.Socket | None = None
         self._pull: zmq.asyncio.Socket | None = None
         self._sub: zmq.asyncio.Socket | None = None
+        self._dealer_handshakes: HandshakeMonitor | None = None
+        self._sub_handshakes: HandshakeMonitor | None = None
         self._pending: dict[int, asyncio.Future[fp.FrontendReply]] = {}
         self._call_ids = itertools.count(1)
         self._finished_q: asyncio.Queue[FinishedRequest] = asyncio.Queue(max_queued)
@@ -304,6 +330,7 @@ class FrontendClient:
         self._spawn(self._pull_loop(), "outputs")
         self._spawn(self._publish_loop(), "publishes")
         self._spawn(self._report_loop(), "finished")
+        self._spawn(self._handshake_loop(), "handshakes")
 
     def _open_sockets(self) -> None:
         if self.host is None:
@@ -316,10 +343,11 @@ class FrontendClient:
         self._pull, self.output_address = bind(self._ctx, zmq.PULL, endpoint, OUTPUTS)
         # A fixed identity survives reconnects (a restarted coordinator sees the same
         # peer), so failure notices for requests sent earlier still find this client.
-        self._dealer = connect(self._ctx, zmq.DEALER, self.frontend_address, CLIENT,
-                               identity=b"fe" + uuid.uuid4().bytes[:8], curve=self.curve)
-        self._sub = connect(self._ctx, zmq.XSUB, self.publish_address, CLIENT,
-                            curve=self.curve)
+        self._dealer, self._dealer_handshakes = connect_monitored(
+            self._ctx, zmq.DEALER, self.frontend_address, CLIENT,
+            identity=b"fe" + uuid.uuid4().bytes[:8], curve=self.curve)
+        self._sub, self._sub_handshakes = connect_monitored(
+            self._ctx, zmq.XSUB, self.publish_address, CLIENT, curve=self.curve)
 
     async def close(self, timeout: float = 1.0) -> None:
         """Report pending finished ids (best effort), stop, close every socket."""
@@ -339,6 +367,9 @@ class FrontendClient:
             if not future.done():
                 future.set_exception(FrontendClosed("the client was closed"))
         self._pending.clear()
+        for monitor in (self._dealer_handshakes, self._sub_handshakes):
+            if monitor is not None:
+                monitor.close()
         for sock in (self._dealer, self._pull, self._sub):
             if sock is not None:
                 sock.close(linger=0)
@@ -463,6 +494,7 @@ class FrontendClient:
         dealer = self._dealer
         if dealer is None:
             raise FrontendClosed("the client is closed")
+        self._raise_if_refused(self._dealer_handshakes)
         limit = self.call_timeout_s if timeout is None else timeout
         call_id = next(self._call_ids)
         frames = build(call_id)
@@ -481,6 +513,7 @@ class FrontendClient:
                 reply = await asyncio.wait_for(future, max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
                 self.stats["timeouts"] += 1
+                self._raise_if_refused(self._dealer_handshakes, final_only=False)
                 raise CoordinatorTimeout(what, limit) from None
         finally:
             self._pending.pop(call_id, None)
@@ -496,8 +529,10 @@ class FrontendClient:
         limit = self.call_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + limit
         while not predicate(self):
+            self._raise_if_refused(self._sub_handshakes)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                self._raise_if_refused(self._sub_handshakes, final_only=False)
                 raise CoordinatorTimeout("a publish matching the condition", limit)
             self._publish_seen.clear()
             with contextlib.suppress(asyncio.TimeoutError):
@@ -551,6 +586,37 @@ class FrontendClient:
                 log.exception("on_notice callback failed")
             return
         _put(self._notice_q, notice, self.stats, "notices_dropped")
+
+    # ------------------------------------------------------------ handshakes
+
+    @staticmethod
+    def _raise_if_refused(monitor: HandshakeMonitor | None, *, final_only: bool = True) -> None:
+        failure = monitor.poll() if monitor is not None else None
+        if failure is not None and (failure.final or not final_only):
+            raise HandshakeFailed(failure)
+
+    async def _handshake_loop(self) -> None:
+        """Fail waiting calls at once when a handshake with the coordinator fails for good."""
+        monitors = [m for m in (self._dealer_handshakes, self._sub_handshakes) if m is not None]
+        poller = zmq.asyncio.Poller()
+        for monitor in monitors:
+            poller.register(monitor.socket, zmq.POLLIN)
+        while monitors:
+            await poller.poll()
+            for monitor in list(monitors):
+                failure = monitor.poll()
+                if failure is None or not failure.final:
+                    continue
+                monitors.remove(monitor)  # libzmq gave this connection up: said once
+                poller.unregister(monitor.socket)
+                self.stats[f"handshake_failed.{failure.kind}"] += 1
+                log.warning("frontend %d: %s", self.client_index, failure.message)
+                if monitor is self._dealer_handshakes:
+                    for future in self._pending.values():
+                        if not future.done():
+                            future.set_exception(HandshakeFailed(failure))
+                else:
+                    self._publish_seen.set()  # wait_for() looks again and raises
 
     # ------------------------------------------------------------ readers
 

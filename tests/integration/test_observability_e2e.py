@@ -42,7 +42,7 @@ import zmq.asyncio
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from coordinator.engine import AddRequest, EngineAgent, EngineStartupTimeout
+from coordinator.engine import AddRequest, EngineAgent, EngineHandshakeFailed
 from coordinator.frontend import FrontendClient
 from coordinator.launch import CoordinatorHandle, launch
 from coordinator.protocol import frontend as fp
@@ -669,12 +669,13 @@ async def test_curve_serves_listed_keys_and_counts_refusals(
                                (keys.stranger_secret, server)) is None
     assert await ask_state_raw(zctx, handle.addresses["frontend"], 1.0, None) is None
 
-    # An engine with an unlisted key never gets an INIT.
+    # An engine with an unlisted key never gets an INIT, and is told why.
     stranger = EngineAgent(handle.addresses["handshake"], 0, handshake_timeout_s=1.0,
                            curve_secret_key=keys.stranger_secret, curve_server_key=server)
-    with pytest.raises(EngineStartupTimeout) as refused:
+    with pytest.raises(EngineHandshakeFailed) as refused:
         await stranger.start()
     assert refused.value.stage == "init"
+    assert "refused our CURVE key" in str(refused.value)
 
     client = FrontendClient(handle.addresses, client_index=0, host="127.0.0.1",
                             call_timeout_s=STEP, curve_secret_key=keys.frontend_secret,
