@@ -61,6 +61,7 @@ import ctypes
 import itertools
 import json
 import signal
+import socket
 import struct
 import sys
 import time
@@ -92,6 +93,7 @@ __all__ = [
     "connect_monitored",
     "describe_handshake_failure",
     "die_with_parent_preexec",
+    "endpoint_accepts_connections",
     "load_public_key",
     "load_secret_key",
     "read_address_file",
@@ -548,6 +550,35 @@ def die_with_parent_preexec() -> Callable[[], None] | None:
 
 
 # ---- the address file ------------------------------------------------------------------------
+
+
+def endpoint_accepts_connections(endpoint: str, timeout_s: float = 0.5) -> bool:
+    """Whether something accepts a connection at a ZeroMQ ipc or tcp endpoint now.
+
+    A plain socket connects and closes at once (a ZeroMQ server takes that in
+    its stride): an address file whose process died, whatever it left behind,
+    fails here at once. Other transports count as accepting (nothing to check).
+    """
+    target: str | tuple[str, int]
+    if endpoint.startswith("ipc://"):
+        path = endpoint[len("ipc://"):]
+        # libzmq's "@name" is a name in Linux's abstract socket namespace.
+        family, target = socket.AF_UNIX, "\0" + path[1:] if path.startswith("@") else path
+    elif endpoint.startswith("tcp://"):
+        host, _, port = endpoint[len("tcp://"):].rpartition(":")
+        host = host.strip("[]")
+        if not port.isdigit() or host in ("", "*"):
+            return False
+        family, target = socket.AF_INET6 if ":" in host else socket.AF_INET, (host, int(port))
+    else:
+        return True
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.settimeout(timeout_s)
+            probe.connect(target)
+    except OSError:
+        return False
+    return True
 
 
 class AddressFileTimeout(TimeoutError):

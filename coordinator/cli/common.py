@@ -1,15 +1,23 @@
-"""What the operator commands share: key flags, the address file, the state query."""
+"""What the operator commands share: key flags, the address file, the state query.
+
+Without `--addr-file`, `status` and `top` look for the coordinators published on
+this host (`coordinator.launch.find_coordinators`: a coordinator vLLM's plugin
+started) and use the one that answers; none or several is an error that lists
+what was found.
+"""
 
 from __future__ import annotations
 
 import argparse
 import itertools
 import json
+import os
 import time
 
 import zmq
 
 from coordinator._zmq import CLIENT, CurveClientKeys, connect_monitored
+from coordinator.launch import DISCOVERY_PREFIX, DISCOVERY_SUFFIX, discovery_dir, find_coordinators
 from coordinator.protocol import frontend as fp
 from coordinator.protocol.errors import ProtocolError
 
@@ -24,6 +32,31 @@ def add_curve_client_arguments(p: argparse.ArgumentParser) -> None:
 
 class StatusError(Exception):
     """Something the operator must fix; the message says what."""
+
+
+def discover_addr_file() -> str:
+    """The address file of the one published coordinator that answers on this host.
+
+    StatusError, saying where it looked and what it found, when there is none or
+    more than one.
+    """
+    directory = discovery_dir()
+    found = find_coordinators(directory)
+    answering = [f for f in found if f.answering]
+    if len(answering) == 1:
+        return answering[0].path
+    if answering:
+        listing = "".join(f"\n  {f.path}  (frontend {f.addresses['frontend']})"
+                          for f in answering)
+        raise StatusError(f"{len(answering)} coordinators started by vLLM's plugin answer on "
+                          f"this host; choose one with --addr-file:{listing}")
+    pattern = os.path.join(directory, f"{DISCOVERY_PREFIX}*{DISCOVERY_SUFFIX}")
+    stale = "".join(f"\n  {f.path} (its coordinator does not answer)" for f in found)
+    raise StatusError(
+        f"no --addr-file given, and no coordinator started by vLLM's plugin answers on this "
+        f"host (looked for {pattern}: vLLM's VLLM_RPC_BASE_PATH, else the temporary "
+        "directory, so use the same VLLM_RPC_BASE_PATH or TMPDIR as vllm serve). For a "
+        f"coordinator you started with `serve --addr-file F`, give --addr-file F.{stale}")
 
 
 def read_frontend_address(path: str) -> str:

@@ -1,11 +1,13 @@
 """`dp-coordinator status`: ask a running coordinator for its state and print it.
 
 One DEALER connects to the `frontend` address from the coordinator's address
-file and sends `QueryState`; the `StateReply` is printed as tables (group,
-ranks, counters) or, with `--json`, as one JSON object. `--watch` repeats the
-query every `--interval` seconds until Ctrl-C. Exit code 1, with a message that
-says what to check, when the address file is unusable or the coordinator does not
-answer within `--timeout`.
+file (without `--addr-file`, the one coordinator vLLM's plugin started on this
+host, see `coordinator.cli.common.discover_addr_file`) and sends `QueryState`;
+the `StateReply` is printed as tables (group, ranks, counters) or, with
+`--json`, as one JSON object. `--watch` repeats the query every `--interval`
+seconds until Ctrl-C. Exit code 1, with a message that says what to check, when
+the address file is unusable or the coordinator does not answer within
+`--timeout`.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from coordinator.cli.common import (
     StateQuery,
     StatusError,
     add_curve_client_arguments,
+    discover_addr_file,
     read_frontend_address,
 )
 from coordinator.protocol import frontend as fp
@@ -41,8 +44,10 @@ def add_status_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         description="Ask a running coordinator (over its frontend socket) for membership, "
         "loads, wave and counters, and print them.",
     )
-    p.add_argument("--addr-file", required=True, metavar="F",
-                   help="the coordinator's address file")
+    p.add_argument("--addr-file", default=None, metavar="F",
+                   help="the coordinator's address file (default: find the coordinator "
+                   "vLLM's plugin started on this host, under VLLM_RPC_BASE_PATH or the "
+                   "temporary directory)")
     p.add_argument("--watch", action="store_true", help="keep the view live (Ctrl-C ends)")
     p.add_argument("--interval", type=float, default=1.0, help="refresh period for --watch")
     p.add_argument("--json", action="store_true", help="print the raw state as JSON")
@@ -93,7 +98,7 @@ def state_json(state: fp.GroupState) -> str:
 def run_status(args: argparse.Namespace) -> int:
     console = Console()
     try:
-        address = read_frontend_address(args.addr_file)
+        address = read_frontend_address(args.addr_file or discover_addr_file())
     except StatusError as exc:
         print(f"dp-coordinator status: {exc}", file=sys.stderr, flush=True)
         return EXIT_ERROR

@@ -3,7 +3,8 @@
 Reads the coordinator's state either from its HTTP `/state` endpoint (`--url`,
 which also carries waves started, per-rank dispatch totals and the hang
 watchdog) or over its frontend socket with a `QueryState` (`--addr-file`, which
-needs no HTTP port). Each refresh shows the group's wave, every rank's state and
+needs no HTTP port; with neither, the coordinator vLLM's plugin started on this
+host, found as `status` finds it). Each refresh shows the group's wave, every rank's state and
 load, and rates computed from the previous refresh: dispatches per second and
 waves per second. `--once` prints one frame and exits.
 """
@@ -30,6 +31,7 @@ from coordinator.cli.common import (
     StateQuery,
     StatusError,
     add_curve_client_arguments,
+    discover_addr_file,
     read_frontend_address,
 )
 from coordinator.core.balancer import balance_ratio
@@ -245,14 +247,14 @@ class FrontendSource:
 
     def __init__(
         self,
-        addr_file: str,
+        addr_file: str | None,
         timeout_s: float,
         *,
         curve_secret_key: str | None = None,
         curve_server_key: str | None = None,
     ) -> None:
         try:
-            address = read_frontend_address(addr_file)
+            address = read_frontend_address(addr_file or discover_addr_file())
             self._query = StateQuery(address, curve_secret_key=curve_secret_key,
                                      curve_server_key=curve_server_key)
         except (StatusError, ValueError) as exc:
@@ -351,12 +353,13 @@ def add_top_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         "age), wave and running flag, dispatch and wave rates, and the hang watchdog, "
         "refreshed live until Ctrl-C.",
     )
-    where = p.add_mutually_exclusive_group(required=True)
+    where = p.add_mutually_exclusive_group()
     where.add_argument("--url", metavar="URL",
                        help="the coordinator's HTTP endpoint (serve --metrics-port), e.g. "
                        "http://127.0.0.1:9100/state; shows the watchdog and wave counts too")
     where.add_argument("--addr-file", metavar="F",
-                       help="the coordinator's address file: ask over its frontend socket")
+                       help="the coordinator's address file: ask over its frontend socket "
+                       "(default: find the coordinator vLLM's plugin started on this host)")
     p.add_argument("--interval", type=float, default=1.0, metavar="S",
                    help="refresh period in seconds (default 1)")
     p.add_argument("--timeout", type=float, default=5.0, metavar="S",
