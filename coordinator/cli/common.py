@@ -30,6 +30,23 @@ def add_curve_client_arguments(p: argparse.ArgumentParser) -> None:
                    help="the coordinator's public key file (NAME.key)")
 
 
+DRAINED = "drained"
+"""What the operator tools show for a draining rank with nothing left in flight."""
+
+STATE_STYLES = {"ready": "green", "handshaking": "cyan", "draining": "yellow",
+                DRAINED: "yellow", "cordoned": "yellow", "absent": "dim"}
+"""rich styles of rank states; any other state (dead) is shown in bold red."""
+
+
+def shown_state(state: str, in_flight: int) -> str:
+    """A rank's state as the operator tools show it.
+
+    The coordinator keeps a drained rank in `draining` (it takes no work until
+    uncordoned either way); once nothing is in flight on it, it is `drained`.
+    """
+    return DRAINED if state == "draining" and in_flight == 0 else state
+
+
 class StatusError(Exception):
     """Something the operator must fix; the message says what."""
 

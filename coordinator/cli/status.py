@@ -24,17 +24,20 @@ from rich.table import Table
 from rich.text import Text
 
 from coordinator.cli.common import (
+    STATE_STYLES,
     StateQuery,
     StatusError,
     add_curve_client_arguments,
     discover_addr_file,
     read_frontend_address,
+    shown_state,
 )
 from coordinator.protocol import frontend as fp
 from coordinator.protocol.frontend import group_state_to_builtins
 
 EXIT_OK = 0
 EXIT_ERROR = 1
+ENGINE_ID_CHARS = 8  # enough to tell incarnations apart; the whole id is in --json
 
 
 def add_status_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -57,6 +60,12 @@ def add_status_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def state_tables(state: fp.GroupState) -> Group:
+    """The group line, the rank table and the counters.
+
+    The rank table fits 80 columns with the widest values (a state name, five
+    digits of load): no value is ever cut; a narrower terminal wraps values
+    instead of truncating them.
+    """
     mode = "lockstep" if state.lockstep else "dense"
     flag = Text("running", style="green") if state.running else Text("paused", style="yellow")
     header = Text.assemble(
@@ -66,25 +75,32 @@ def state_tables(state: fp.GroupState) -> Group:
     )
     if state.shutting_down:
         header.append("   SHUTTING DOWN", style="bold red")
-    ranks = Table(title="engines", title_justify="left")
-    for name in ("rank", "state", "engine id", "waiting", "running", "kv", "dispatched*",
+    # No box: two spaces between columns is what lets the widest values fit 80
+    # columns. A state name never wraps; the other columns wrap on a narrow screen.
+    ranks = Table(title="engines", title_justify="left", box=None, pad_edge=False,
+                  header_style="bold")
+    for name in ("rank", "state", "engine id", "waiting", "running", "kv", "sent*",
                  "in flight", "last seen"):
-        ranks.add_column(name, justify="left" if name in ("state", "engine id") else "right")
+        ranks.add_column(name, justify="left" if name in ("state", "engine id") else "right",
+                         no_wrap=name == "state", overflow="fold")
     for e in state.engines:
-        style = {"ready": "green", "handshaking": "cyan", "draining": "yellow",
-                 "cordoned": "yellow"}.get(e.state, "red")
+        shown = shown_state(e.state, e.in_flight)
         ranks.add_row(
-            str(e.rank), Text(e.state, style=style), (e.engine_id or "-")[:12],
+            str(e.rank), Text(shown, style=STATE_STYLES.get(shown, "bold red")),
+            (e.engine_id or "-")[:ENGINE_ID_CHARS],
             str(e.waiting), str(e.running), f"{e.kv_cache_usage:.0%}",
             str(e.dispatched_since_report), str(e.in_flight),
-            "-" if e.last_seen_age_s is None else f"{e.last_seen_age_s:.1f} s ago",
+            "-" if e.last_seen_age_s is None else f"{e.last_seen_age_s:.1f}s",
         )
     parts: list[Any] = [header, ranks,
-                        Text("* dispatched since the rank's last stats report", style="dim")]
+                        Text("sent*: dispatched since the rank's last stats report; "
+                             "drained: draining with nothing in flight; last seen: seconds "
+                             "since its last traffic", style="dim")]
     if state.counters:
-        counters = Table(title="counters", title_justify="left", show_header=False)
-        counters.add_column("counter")
-        counters.add_column("value", justify="right")
+        counters = Table(title="counters", title_justify="left", show_header=False,
+                         box=None, pad_edge=False)
+        counters.add_column("counter", overflow="fold")
+        counters.add_column("value", justify="right", no_wrap=True)
         for key, value in sorted(state.counters.items()):
             counters.add_row(key, str(value))
         parts.append(counters)
