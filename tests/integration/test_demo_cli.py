@@ -21,6 +21,7 @@ from coordinator.launch import launch
 from coordinator.loadgen import LoadConfig, LoadGenerator, LoadSummary, percentile
 from coordinator.protocol.frontend import GroupState
 from coordinator.sim import SimConfig, SimEngineGroup
+from tests.unit.test_readme import per_rank_header, readme_demo_output, summary_labels
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -89,6 +90,10 @@ def test_demo_runs_end_to_end_and_loses_nothing(tmp_path: Path) -> None:
     assert data["group_paused"] is True
     assert summary["balance_ratio"] > 0.5
     assert len(data["engines"]) == 2 and all(not e["hangs"] for e in data["engines"])
+    # The README shows this output: the same rows and columns, in the same order.
+    readme = readme_demo_output()
+    assert summary_labels(result.stdout) == summary_labels(readme), result.stdout
+    assert per_rank_header(result.stdout) == per_rank_header(readme), result.stdout
 
 
 def test_thousands_of_requests_finish_exactly_once_and_every_wave_ends(
