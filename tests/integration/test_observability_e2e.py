@@ -863,9 +863,11 @@ async def test_top_once_renders_ranks_from_both_sources(
             rows = rank_rows(out)
             assert sorted(rows) == [0, 1, 2], out
             assert all(row[1] == "ready" for row in rows.values())
-            # Over the frontend socket: dispatched since the last report, and in flight.
-            assert [rows[r][5] for r in (0, 1, 2)] == ["+1", "+0", "+2"], out
+            # Over the frontend socket: no per-rank dispatch totals ("-"), the group's
+            # total, and in flight.
+            assert [rows[r][5] for r in (0, 1, 2)] == ["-", "-", "-"], out
             assert [rows[r][6] for r in (0, 1, 2)] == ["1", "0", "2"], out
+            assert "dispatched in total 3" in out
             assert "watchdog: not available over the frontend socket" in out
 
             code, out, err = await run_cli("top", "--once", "--url",
@@ -877,6 +879,6 @@ async def test_top_once_renders_ranks_from_both_sources(
             assert [rows[r][5] for r in (0, 1, 2)] == ["1", "0", "2"], out
             assert "watchdog: ok" in out
             assert re.search(r"wave \d+ (running|paused)", out)
-            assert "dispatched 3" in out
+            assert "dispatched in total 3" in out
         finally:
             await client.close()
