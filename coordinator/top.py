@@ -26,8 +26,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from coordinator.core.balancer import balance_ratio
 from coordinator.protocol import frontend as fp
-from coordinator.server.http import balance_ratio
 from coordinator.status import StateQuery, StatusError, read_address_file
 
 EXIT_OK = 0

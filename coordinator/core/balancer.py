@@ -342,3 +342,11 @@ def make_policy(name: str, rng: random.Random) -> BalancePolicy:
         known = ", ".join(sorted(POLICIES))
         raise ValueError(f"unknown balance policy {name!r}; choose one of: {known}")
     return factory(rng)
+
+
+def balance_ratio(loads: Sequence[int]) -> float:
+    """Mean over max of per-rank load: 1.0 is perfectly even (or all idle), 1/N is one rank."""
+    peak = max(loads, default=0)
+    if peak <= 0:
+        return 1.0
+    return sum(loads) / len(loads) / peak

@@ -43,6 +43,8 @@ from prometheus_client.metrics_core import (
     Metric,
 )
 
+from coordinator.core.balancer import balance_ratio
+
 log = logging.getLogger("coordinator.http")
 
 DEFAULT_METRICS_HOST: Final = "127.0.0.1"
@@ -110,14 +112,6 @@ class ObservedState:
     all_ready: bool = False
     state_json: dict[str, object] = field(default_factory=dict)
     """Extra JSON for /state (membership, leases, frontends...), merged under ours."""
-
-
-def balance_ratio(loads: Sequence[int]) -> float:
-    """Mean over max of per-rank load: 1.0 is perfectly even (or all idle), 1/N is one rank."""
-    peak = max(loads, default=0)
-    if peak <= 0:
-        return 1.0
-    return sum(loads) / len(loads) / peak
 
 
 def split_counter(key: str, prefix: str) -> tuple[str, str] | None:
