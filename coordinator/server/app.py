@@ -36,6 +36,7 @@ from coordinator.core.membership import (
     RankState,
     Refused,
 )
+from coordinator.core.persisted import SavedFrontend, SavedLease, SavedState
 from coordinator.core.publishing import PublishSchedule
 from coordinator.core.recorder import (
     KIND_MEMBERSHIP,
@@ -54,13 +55,7 @@ from coordinator.protocol.identity import identity_to_rank, rank_to_identity
 from coordinator.security import CurveServer
 from coordinator.server.config import ServerConfig
 from coordinator.server.http import HttpEndpoints, ObservedState, RankView
-from coordinator.server.statefile import (
-    SavedFrontend,
-    SavedLease,
-    SavedState,
-    load_state,
-    save_state,
-)
+from coordinator.server.statefile import load_state, save_state
 from coordinator.server.transport import (
     FrameReader,
     RateLimitedLog,
