@@ -426,7 +426,8 @@ class CoordinatorServer:
                 rank, engine_id=message.engine_id, local=message.local,
                 headless=message.headless, now=now,
             )
-        if isinstance(result, Refused):
+        if not isinstance(result, Accepted):
+            assert isinstance(result, Refused)  # the default holder_reachable never probes
             self._refuse_handshake(identity, result.reason.name.lower(), result.message)
             return
         self._note_accepted("hello", result)
