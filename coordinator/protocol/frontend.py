@@ -13,7 +13,7 @@ See docs/PROTOCOL.md for the prose version, with examples.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -262,3 +262,11 @@ def decode_reply(frame: bytes) -> FrontendReply:
 def call_id_of(message: FrontendRequest) -> int:
     """The call id to echo in a reply (0 for messages that carry none)."""
     return getattr(message, "call_id", 0)
+
+
+def group_state_to_builtins(state: GroupState) -> dict[str, Any]:
+    """The state as plain JSON-ready data, engines as maps keyed by field name."""
+    data: dict[str, Any] = msgspec.to_builtins(state)
+    fields = EngineStatus.__struct_fields__
+    data["engines"] = [dict(zip(fields, row, strict=True)) for row in data["engines"]]
+    return data
