@@ -10,9 +10,10 @@ Sends whose outcome matters report back (see ``coordinator.core.events``):
 * a ``Send`` always reports ``SendFailed`` if it could not be handed to its
   socket, and also ``SendSucceeded`` when the core set ``confirm`` (liveness
   probes, INIT);
-* a ``DispatchAdd`` sends ``reply`` to the frontend only after the ADD was
-  handed to the engine's connection; otherwise it reports ``SendFailed`` and
-  the core decides what follows (the next best rank, or a refusal).
+* a ``DispatchAdd`` carries out its ``wake`` and sends ``reply`` to the
+  frontend only after the ADD was handed to the engine's connection;
+  otherwise it reports ``SendFailed`` and the core decides what follows (the
+  next best rank, or a refusal).
 
 Counters and the flight recorder live in the core as plain data, so they are
 not actions. Logging is: ``Log.key``, when set, asks the server's rate limiter
@@ -58,10 +59,11 @@ class Send(msgspec.Struct, frozen=True):
 
 
 class DispatchAdd(msgspec.Struct, frozen=True):
-    """Send ADD ``[engine, b"\\x00", *payload]`` on dispatch; if that worked, ``reply``.
+    """Send ADD ``[engine, b"\x00", *payload]`` on dispatch; if that worked, carry out
+    ``wake`` (the wave's actions for a first request, if any), then send ``reply``.
 
     The rest describes the submit, so that a failed ADD can be tried elsewhere:
-    the frontend connection and call, whether the submit woke the group, the
+    the frontend connection and call, the wave the request was stamped with, the
     ranks already tried, and whether the frontend named this rank itself.
     """
 
@@ -73,7 +75,7 @@ class DispatchAdd(msgspec.Struct, frozen=True):
     call_id: int
     request_id: str
     stamped_wave: int
-    woke: bool
+    wake: tuple[Action, ...] = ()
     tried: tuple[int, ...] = ()
     explicit: bool = False
 

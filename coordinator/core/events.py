@@ -140,6 +140,11 @@ class DumpRecorder(msgspec.Struct, frozen=True, gc=False):
 
 
 TICK = Tick()
+ENGINE_SUBSCRIBED = EngineSubscribed()
+ENGINE_UNSUBSCRIBED = EngineUnsubscribed()
+FRONTEND_SUBSCRIBED = FrontendSubscribed()
+FRONTEND_UNSUBSCRIBED = FrontendUnsubscribed()
+DUMP_RECORDER = DumpRecorder()
 
 Event: TypeAlias = (
     HandshakeReceived

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from logging import INFO, WARNING
 
-from coordinator.core.actions import DispatchAdd, Send, SendPurpose
+from coordinator.core.actions import Action, DispatchAdd, Send, SendPurpose
 from coordinator.core.context import CoreContext
 from coordinator.core.events import FrontendRequestReceived
 from coordinator.core.frontends import RegisterVerdict
@@ -97,26 +97,32 @@ class FrontendRules(CoreContext):
                 self._refuse_submit(identity, msg.call_id, msg.request_id, NO_READY_ENGINE)
                 return
         self._dispatch(identity, msg.call_id, msg.request_id, msg.wave, payload, rank, now,
-                       tried=(), explicit=msg.dp_rank is not None, woke=False)
+                       tried=(), explicit=msg.dp_rank is not None, wake=None)
 
     def _dispatch(self, identity: bytes, call_id: int, request_id: str, stamped_wave: int,
                   payload: list[bytes], rank: int, now: float, *, tried: tuple[int, ...],
-                  explicit: bool, woke: bool) -> None:
-        # The wake goes first: if no rank takes the ADD in the end, the group runs one
-        # idle wave, which is harmless; a wake lost behind a failed ADD would not be.
-        wave_actions = self.waves.on_first_request(rank, stamped_wave, now=now)
-        if wave_actions:
-            woke = True
-            self._apply_wave_actions(wave_actions, now, cause=f"first request {request_id!r}",
-                                     rank=rank, coordinator_wake=True)
+                  explicit: bool, wake: tuple[Action, ...] | None) -> None:
+        if wake is None:
+            # The wake leaves right after the ADD, so that the chosen engine holds its
+            # request before its peers step (woken first, they could finish an idle wave
+            # before the ADD arrives). It rides on the DispatchAdd until the ADD is sent.
+            mark = len(self._out)
+            wave_actions = self.waves.on_first_request(rank, stamped_wave, now=now)
+            if wave_actions:
+                self._apply_wave_actions(wave_actions, now, cause=f"first request "
+                                         f"{request_id!r}", rank=rank, coordinator_wake=True)
+                wake = tuple(self._out[mark:])
+                del self._out[mark:]
+            else:
+                wake = ()
         self.loads.note_dispatched(rank)
         self.dispatched_by_rank[rank] += 1
         self.requests.add(request_id, rank, identity)
         self._dispatched += 1
         reply = Send("frontend", identity,
-                     (fp.encode(fp.Submitted(call_id, request_id, rank, woke)),))
+                     (fp.encode(fp.Submitted(call_id, request_id, rank, bool(wake))),))
         self._out.append(DispatchAdd(rank, rank_to_identity(rank), payload, reply, identity,
-                                     call_id, request_id, stamped_wave, woke, tried, explicit))
+                                     call_id, request_id, stamped_wave, wake, tried, explicit))
 
     def _dispatch_failed(self, add: DispatchAdd, now: float) -> None:
         """The ADD could not be sent: undo its commit, then the next best rank or a refusal."""
@@ -135,11 +141,15 @@ class FrontendRules(CoreContext):
             candidates = [r for r in self.membership.dispatchable() if r not in tried]
             chosen = self.policy.pick(self.loads, candidates) if candidates else None
         if chosen is None:
+            # The wave machine counts this wake as sent, so it is sent: at worst the group
+            # runs one idle wave, where a wake it believes in but never got could leave
+            # the next request's peers unwoken.
+            self._out.extend(add.wake)
             self._refuse_submit(add.frontend, add.call_id, add.request_id,
                                 dispatch_refusal(tried, explicit=add.explicit))
             return
         self._dispatch(add.frontend, add.call_id, add.request_id, add.stamped_wave,
-                       add.payload, chosen, now, tried=tried, explicit=False, woke=add.woke)
+                       add.payload, chosen, now, tried=tried, explicit=False, wake=add.wake)
 
     def _refuse_submit(self, identity: bytes, call_id: int, request_id: str,
                        refusal: Refusal) -> None:

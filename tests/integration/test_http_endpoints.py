@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from coordinator.core.balancer import balance_ratio
 from coordinator.core.recorder import KIND_MEMBERSHIP, KIND_WAVE, FlightRecorder
 from coordinator.core.watchdog import HangWatchdog
 from coordinator.server.http import (
@@ -21,10 +22,8 @@ from coordinator.server.http import (
     ObservedState,
     RankView,
     add_observability_arguments,
-    balance_ratio,
-    handshake_outcomes,
-    split_counter,
 )
+from coordinator.server.metrics import handshake_outcomes, split_counter
 
 pytestmark = pytest.mark.timeout(30)
 
