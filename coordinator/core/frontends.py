@@ -149,11 +149,6 @@ class FrontendRegistry:
         """Connections of every registered frontend (for notices to all of them)."""
         return [peer.identity for peer in self._peers.values()]
 
-    @property
-    def held_inits(self) -> dict[int, bytes]:
-        """Engines waiting for their INIT: rank -> handshake identity."""
-        return dict(self._held_inits)
-
     def register(
         self,
         client_index: int,

@@ -126,6 +126,7 @@ class CoordinatorServer:
         self.frame_handlers: dict[str, FrameHandler] = {
             key: self._feeder(decode) for key, decode in DECODERS.items()
         }
+        self.frame_handlers["back_output"] = self._stats_feeder()
         """One handler per socket: frames in, actions carried out."""
 
     # ---- setup and teardown -------------------------------------------------
@@ -272,6 +273,23 @@ class CoordinatorServer:
 
         def on_frames(frames: list[bytes]) -> None:
             actions = handle(decode(frames), clock())
+            if actions:
+                execute(actions)
+
+        return on_frames
+
+    def _stats_feeder(self) -> FrameHandler:
+        """``back_output``: the hot path, straight to the core's stats handler."""
+        decode = DECODERS["back_output"]
+        handle, on_report = self.core.handle, self.core.on_engine_report
+        clock, execute, report_type = self.clock, self.execute, vllm.EngineReport
+
+        def on_frames(frames: list[bytes]) -> None:
+            event = decode(frames)
+            if type(event) is report_type:
+                actions = on_report(event, clock())
+            else:
+                actions = handle(event, clock())
             if actions:
                 execute(actions)
 

@@ -17,6 +17,7 @@ from coordinator.core.balancer import (
     PowerOfTwoChoices,
     RankLoad,
     StatsOutcome,
+    balance_ratio,
     is_stale_report,
     load_score,
     make_policy,
@@ -454,3 +455,11 @@ def test_p2c_pick_is_never_the_strict_worst(
         assert chosen is not None
         # Its partner sample scored at least as much, so some other candidate does.
         assert any(scores[r] >= scores[chosen] for r in candidates if r != chosen)
+
+
+@pytest.mark.parametrize(
+    ("loads", "ratio"),
+    [([], 1.0), ([0, 0], 1.0), ([4, 4, 4], 1.0), ([4, 0, 0, 0], 0.25), ([2, 4], 0.75)],
+)
+def test_balance_ratio_is_mean_over_max(loads: list[int], ratio: float) -> None:
+    assert balance_ratio(loads) == pytest.approx(ratio)

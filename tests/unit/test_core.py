@@ -15,6 +15,8 @@ import pytest
 from coordinator.core.actions import NO_ACTIONS, REARM_TIMER, DispatchAdd
 from coordinator.core.events import (
     DUMP_RECORDER,
+    ENGINE_UNSUBSCRIBED,
+    FRONTEND_UNSUBSCRIBED,
     BadFrame,
     FrontendRequestReceived,
     HandshakeReceived,
@@ -667,3 +669,50 @@ def test_dump_recorder_logs_every_event() -> None:
     driver.feed(DUMP_RECORDER)
     text = driver.log_text()
     assert text.count("hello accepted") == 2 and "flight recorder: last" in text
+
+
+def test_counters_kept_outside_the_core_are_merged_into_every_view() -> None:
+    driver = group()
+    driver.core.extra_counters = lambda: {"refused.curve.unknown_key": 3}
+    assert driver.core.counter_values()["refused.curve.unknown_key"] == 3
+    (reply,) = driver.request(F0, fp.QueryState(driver.call_id()))
+    assert isinstance(reply, fp.StateReply)
+    assert reply.state.counters["refused.curve.unknown_key"] == 3
+
+
+def test_the_stats_entry_point_is_handle_without_the_lookup() -> None:
+    driver = group()
+    report = vllm.EngineReport(engine_index=1, start_wave=0)
+    actions = driver.core.on_engine_report(report, driver.now)
+    driver.execute(actions)
+    assert driver.wakes() == [(0, 1)] and driver.core.waves.running
+
+
+def test_a_saved_registration_the_range_no_longer_has_is_skipped_with_a_warning() -> None:
+    driver = group(engines=3, persist=True)
+    saved = driver.core.saved_state()
+    smaller = Driver.start(engines=2)
+    smaller.feed(Restore(saved, "/s"))
+    assert [lease.rank for lease in smaller.core.membership.leases()] == [0, 1]
+    assert "state file: dp_rank=2 is outside" in smaller.log_text()
+
+
+def test_bad_frames_without_a_peer_to_answer_are_only_dropped() -> None:
+    driver = group()
+    sends = len(driver.sends)
+    driver.feed(BadFrame("back_output", ProtocolError("junk", reason="decode")))
+    driver.feed(BadFrame("dispatch", ProtocolError("1 frame", reason="frame_count"),
+                         frame_count=1))
+    assert len(driver.sends) == sends
+    counters = driver.core.counter_values()
+    assert counters["dropped.back_output.decode"] == 1
+    assert counters["dropped.dispatch.frame_count"] == 1
+
+
+def test_the_last_engine_subscriber_leaving_changes_nothing() -> None:
+    driver = group()
+    before = driver.core.saved_state()
+    driver.feed(ENGINE_UNSUBSCRIBED)
+    driver.feed(FRONTEND_UNSUBSCRIBED)
+    assert driver.core.saved_state() == before and driver.core.gate.is_open
+    assert "the last engine subscriber left back_publish" in driver.log_text()

@@ -155,3 +155,18 @@ def test_salvage_call_id_recovers_only_a_plausible_id(header: bytes, call_id: in
 def test_payload_error_names_the_wire_tag() -> None:
     with pytest.raises(ProtocolError, match="'state' takes no payload frames"):
         fp.decode_request([fp.encode(fp.QueryState(1)), b"x"])
+
+
+def test_group_state_to_builtins_names_every_engine_field() -> None:
+    state = fp.GroupState(
+        wave=3, running=True, lockstep=True, rank_start=0, rank_count=1, frontends=2,
+        in_flight=1, engines=[fp.EngineStatus(0, "ready", "e0", 1, 2, 0.5, 0, 1, 0.25)],
+        counters={"stats.reports": 4},
+    )
+    data = fp.group_state_to_builtins(state)
+    assert data["engines"] == [{
+        "rank": 0, "state": "ready", "engine_id": "e0", "waiting": 1, "running": 2,
+        "kv_cache_usage": 0.5, "dispatched_since_report": 0, "in_flight": 1,
+        "last_seen_age_s": 0.25,
+    }]
+    assert data["wave"] == 3 and data["counters"] == {"stats.reports": 4}
