@@ -238,6 +238,7 @@ class CoreContext:
 
     def _ignore(self, event: object, now: float) -> None:
         """Events that change nothing (the last frontend subscriber leaving)."""
+
     # ---- waves -----------------------------------------------------------------------------
 
     def _apply_wave_actions(self, actions: Sequence[WaveAction], now: float, *, cause: str,
@@ -299,14 +300,12 @@ class CoreContext:
             self.counters["requests.failed"] += len(ids)
             self._reply(frontend, fp.RequestsFailed(ids, rank, reason), SendPurpose.NOTICE)
 
-
     def _maybe_drained(self, rank: int) -> None:
         lease = self.membership.lease(rank)
         if lease is None or lease.state is not RankState.DRAINING or self.requests.count(rank):
             return
         self._log(INFO, "dp_rank=%d drained: no requests in flight", rank)
         self._notify_frontends(fp.RankDrained(rank))
-
 
     def _publish_full(self, now: float) -> None:
         rows = self.loads.take_publish_rows()
@@ -317,7 +316,6 @@ class CoreContext:
         self.schedule.published(now)
         self._publish_requested = False
         self.counters["publish.full"] += 1
-
 
     def _send_init(self, rank: int, identity: bytes) -> None:
         frontends = self.frontends

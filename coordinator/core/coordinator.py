@@ -153,7 +153,6 @@ class CoordinatorCore(EngineRules, FrontendRules):
         else:
             self._send_failed_log(socket, action.identity)
 
-
     def _on_send_succeeded(self, event: SendSucceeded, now: float) -> None:
         action = event.action
         if action.purpose is SendPurpose.INIT:
@@ -165,7 +164,6 @@ class CoordinatorCore(EngineRules, FrontendRules):
             self.membership.touch(identity_to_rank(action.identity), now)
         elif action.purpose is SendPurpose.PROBE_HOLDER:
             self._holder_probed(identity_to_rank(action.identity), True, now)
-
 
     # ---- timers ----------------------------------------------------------------------------
 
@@ -182,7 +180,6 @@ class CoordinatorCore(EngineRules, FrontendRules):
         if self._save_retry_at is not None and now >= self._save_retry_at:
             self._save_retry_at = None
             self._state_changed()
-
 
     # ---- the process's own life ------------------------------------------------------------
 

@@ -243,14 +243,12 @@ class EngineRules(CoreContext):
             cause="legacy first request", rank=event.engine_index, coordinator_wake=True,
         )
 
-
     def _holder_probed(self, rank: int, reachable: bool, now: float) -> None:
         hello = self._hellos_probing.pop(rank, None)
         if hello is not None:
             self._on_hello(hello, now, holder_reachable=reachable)
 
-
-    # ---- timers -------------------------------------------------------------------------------
+    # ---- timers ----------------------------------------------------------------------------
 
     def _check_leases(self, now: float) -> None:
         """Probe quiet engines, then expire the leases nobody renewed (see core.liveness)."""
