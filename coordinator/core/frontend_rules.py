@@ -83,13 +83,10 @@ class FrontendRules(CoreContext):
             dispatchable = in_range and rank in self.membership.dispatchable()
             if not dispatchable:
                 lease = self.membership.lease(rank) if in_range else None
-                refusal = explicit_rank_refusal(
-                    rank, in_range=in_range, dispatchable=False,
-                    state=lease.state.value if lease else "not registered",
+                self._refuse_submit(identity, msg.call_id, msg.request_id, explicit_rank_refusal(
+                    rank, in_range=in_range, state=lease.state.value if lease else "not registered",
                     rank_start=self.config.rank_start, rank_count=len(self.rank_range),
-                )
-                assert refusal is not None
-                self._refuse_submit(identity, msg.call_id, msg.request_id, refusal)
+                ))
                 return
         else:
             rank = self.policy.pick(self.loads, self.membership.dispatchable())

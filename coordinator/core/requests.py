@@ -71,15 +71,14 @@ class InFlight:
 
 
 def explicit_rank_refusal(
-    rank: int, *, in_range: bool, dispatchable: bool, state: str, rank_start: int, rank_count: int
-) -> Refusal | None:
-    """Steps 4 and 5 for a submit that names its ``dp_rank``; ``state`` describes the rank."""
+    rank: int, *, in_range: bool, state: str, rank_start: int, rank_count: int
+) -> Refusal:
+    """Steps 4 and 5: why a submit naming a rank that is not dispatchable cannot go there;
+    ``state`` describes the rank."""
     if not in_range:
         last = rank_start + rank_count - 1
         return Refusal(fp.ERR_UNKNOWN_RANK, f"dp_rank={rank} is outside {rank_start}..{last}")
-    if not dispatchable:
-        return Refusal(fp.ERR_RANK_NOT_READY, f"dp_rank={rank} cannot take requests ({state})")
-    return None
+    return Refusal(fp.ERR_RANK_NOT_READY, f"dp_rank={rank} cannot take requests ({state})")
 
 
 def dispatch_refusal(tried: tuple[int, ...], *, explicit: bool) -> Refusal:

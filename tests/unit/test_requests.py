@@ -41,17 +41,15 @@ def test_max_in_flight_zero_refuses_everything() -> None:
 
 
 @pytest.mark.parametrize(
-    ("in_range", "dispatchable", "expected"),
+    ("in_range", "expected"),
     [
-        (False, False, Refusal(fp.ERR_UNKNOWN_RANK, "dp_rank=9 is outside 2..5")),
-        (False, True, Refusal(fp.ERR_UNKNOWN_RANK, "dp_rank=9 is outside 2..5")),
-        (True, False, Refusal(fp.ERR_RANK_NOT_READY, "dp_rank=9 cannot take requests (cordoned)")),
-        (True, True, None),
+        (False, Refusal(fp.ERR_UNKNOWN_RANK, "dp_rank=9 is outside 2..5")),
+        (True, Refusal(fp.ERR_RANK_NOT_READY, "dp_rank=9 cannot take requests (cordoned)")),
     ],
 )
-def test_explicit_rank_steps(in_range: bool, dispatchable: bool, expected: Refusal | None) -> None:
-    assert explicit_rank_refusal(9, in_range=in_range, dispatchable=dispatchable,
-                                 state="cordoned", rank_start=2, rank_count=4) == expected
+def test_explicit_rank_steps(in_range: bool, expected: Refusal) -> None:
+    assert explicit_rank_refusal(9, in_range=in_range, state="cordoned", rank_start=2,
+                                 rank_count=4) == expected
 
 
 def test_unreachable_refusals_name_what_was_tried() -> None:
