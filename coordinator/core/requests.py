@@ -16,11 +16,11 @@ step  refused when                                     code
 ====  ===============================================  ======================
 1     the coordinator is shutting down                 ``shutting_down``
 2     the request id is already in flight              ``duplicate_request_id``
-3     ``max_in_flight`` requests are in flight          ``too_many_in_flight``
-4     an explicit ``dp_rank`` is outside the range      ``unknown_rank``
-5     an explicit ``dp_rank`` is not dispatchable       ``rank_not_ready``
-6     no rank is dispatchable (no explicit rank)        ``no_ready_engine``
-7     the ADD could not be handed to any candidate      ``engine_unreachable``
+3     ``max_in_flight`` requests are in flight         ``too_many_in_flight``
+4     an explicit ``dp_rank`` is outside the range     ``unknown_rank``
+5     an explicit ``dp_rank`` is not dispatchable      ``rank_not_ready``
+6     no rank is dispatchable (no explicit rank)       ``no_ready_engine``
+7     the ADD could not be handed to any candidate     ``engine_unreachable``
 ====  ===============================================  ======================
 
 Steps 1 to 3 are ``RequestLedger.refusal``; 4 and 5 ``explicit_rank_refusal``;
