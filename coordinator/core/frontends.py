@@ -29,18 +29,18 @@ keeps its output address; a restarted frontend must bind the same one.
 
 ``register_verdict`` decides a registration; the first matching row wins:
 
-=========================================================  ==========  =================
-condition                                                  verdict     effect
-=========================================================  ==========  =================
+=========================================================  ============  =================
+condition                                                  verdict       effect
+=========================================================  ============  =================
 K > 0 and index >= K                                       OUT_OF_RANGE  refused
-index not registered, registered >= max(K, max_frontends)  FULL        refused
-index registered, other output address, INITs sent          PINNED      refused
-index not registered                                       NEW         added
-index registered from another connection                   MOVED       replaced; the
-                                                                       index's requests
-                                                                       now report there
-index registered from the same connection                  RENEWED     replaced
-=========================================================  ==========  =================
+index not registered, registered >= max(K, max_frontends)  FULL          refused
+index registered, other output address, INITs sent         PINNED        refused
+index not registered                                       NEW           added
+index registered from another connection                   MOVED         replaced; the
+                                                                         index's requests
+                                                                         now report there
+index registered from the same connection                  RENEWED       replaced
+=========================================================  ============  =================
 
 A refused registration changes nothing. Frontends never unregister (a
 frontend that goes away keeps its index, so its requests' failure notices

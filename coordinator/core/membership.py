@@ -24,20 +24,20 @@ connection is still there is an input of its own: the caller may not know
 (an empty ABORT, which fails at once when the connection is gone) and asks
 again with the answer:
 
-=======================  ===============  ===============  ===================================
+=======================  ===============  ================  ===================================
 live holder's engine_id  new engine_id    holder reachable  verdict
-=======================  ===============  ===============  ===================================
-(no live holder)         anything         -                take: new lease, new incarnation
-None                     None             -                take: a vLLM engine restarted
-X                        X (not None)     -                duplicate: idempotent, renews lease
-X                        Y != X (either   unknown, holder  probe the holder first
+=======================  ===============  ================  ===================================
+(no live holder)         anything         -                 take: new lease, new incarnation
+None                     None             -                 take: a vLLM engine restarted
+X                        X (not None)     -                 duplicate: idempotent, renews lease
+X                        Y != X (either   unknown, holder   probe the holder first
                          may be None,     greeted on
                          not both)        dispatch
-X                        Y != X           yes, or unknown  refuse: ENGINE_ID_MISMATCH, with
-                                          and not greeted  the time left on the old lease
-X                        Y != X           no               take over: the holder's lease turns
-                                                           DEAD (disconnected), then take
-=======================  ===============  ===============  ===================================
+X                        Y != X           yes, or unknown   refuse: ENGINE_ID_MISMATCH, with
+                                          and not greeted   the time left on the old lease
+X                        Y != X           no                take over: the holder's lease turns
+                                                            DEAD (disconnected), then take
+=======================  ===============  ================  ===================================
 
 After HELLO, a lease moves through the states of ``RankState`` by the events
 in ``NEXT_STATE``, a plain (state, event) -> next-state table. For the
