@@ -14,13 +14,13 @@ engine knows every output address; the held INITs all go out at the
 registration that makes K. Without K, INITs go out at once with whatever is
 registered (``init_step``):
 
-==================================  ======
-frontends                           INIT
-==================================  ======
-none expected (K = 0)               SEND
-K registered                        SEND
-fewer than K registered             HOLD, until the K-th registers
-==================================  ======
+=======================  ==============================
+frontends                INIT
+=======================  ==============================
+none expected (K = 0)    SEND
+K registered             SEND
+fewer than K registered  HOLD, until the K-th registers
+=======================  ==============================
 
 **An output address is pinned once INITs went out.** Engines keep pushing to
 the address they learnt; a re-registration that moved it would silently lose
