@@ -123,11 +123,11 @@ class CoordinatorServer:
             RefreshObserved: self._run_refresh,
             RearmTimer: self._run_rearm,
         }
+        # One handler per socket: frames in, actions carried out.
         self.frame_handlers: dict[str, FrameHandler] = {
             key: self._feeder(decode) for key, decode in DECODERS.items()
         }
         self.frame_handlers["back_output"] = self._stats_feeder()
-        """One handler per socket: frames in, actions carried out."""
 
     # ---- setup and teardown -------------------------------------------------
 
