@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from coordinator.protocol.addresses import check_bind_safety
+from coordinator.protocol.addresses import SOCKET_KEYS, check_bind_safety
 from coordinator.protocol.identity import MAX_RANK
-from coordinator.server.transport import DEFAULT_MAX_MESSAGE_BYTES, SOCKET_KEYS
+from coordinator.server.transport import DEFAULT_MAX_MESSAGE_BYTES
 
 
 @dataclass
