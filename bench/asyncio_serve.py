@@ -15,7 +15,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 
-def _run_plain(main: Coroutine[Any, Any, int]) -> int:
+def _run_plain(main: Coroutine[Any, Any, int], loop: str = "asyncio") -> int:
     return asyncio.run(main)
 
 
@@ -23,7 +23,7 @@ def main() -> int:
     import coordinator.server.run as server_run
     from coordinator.cli import main as cli_main
 
-    server_run.run_event_loop = _run_plain
+    server_run.run_loop = _run_plain  # type: ignore[assignment]
     return cli_main(sys.argv[1:])
 
 

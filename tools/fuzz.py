@@ -1087,13 +1087,13 @@ def run_atheris(seconds: float, managed_count: int) -> int:
     server = CoordinatorServer(ServerConfig(engines=managed_count, ipc_dir=ipc_dir))
     server.bind()
     handlers: list[Callable[[list[bytes]], None]] = [
-        server.on_handshake, server.on_dispatch, server.on_back_output,
-        server.on_back_publish, server.on_front_upstream, server.on_frontend,
+        server.frame_handlers[socket] for socket in SOCKETS
     ]
     managed = range(0, managed_count)
     corpus = seed_corpus(0, managed_count)
-    before = (server.waves.snapshot(), [(lease.rank, lease.state) for lease in
-                                        server.membership.leases()])
+    core = server.core
+    before = (core.waves.snapshot(), [(lease.rank, lease.state) for lease in
+                                      core.membership.leases()])
 
     def one_input(data: bytes) -> None:
         provider = atheris.FuzzedDataProvider(data)
@@ -1117,8 +1117,8 @@ def run_atheris(seconds: float, managed_count: int) -> int:
         if classify(message, managed)[0]:
             return
         handlers[which](frames)
-        after = (server.waves.snapshot(), [(lease.rank, lease.state) for lease in
-                                           server.membership.leases()])
+        after = (core.waves.snapshot(), [(lease.rank, lease.state) for lease in
+                                         core.membership.leases()])
         if after != before:
             raise AssertionError(f"state changed by {message.describe()}: {before} -> {after}")
 

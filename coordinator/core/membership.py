@@ -18,17 +18,26 @@ Every registration gets an ``incarnation`` number, strictly increasing per
 rank, so that the server can tell a restarted engine from the one it replaced
 even when both use the same ZMQ identity.
 
-HELLO decides who holds a rank (``hello_verdict``):
+HELLO decides who holds a rank (``hello_verdict``). Whether the live holder's
+connection is still there is an input of its own: the caller may not know
+(``None``), and then learns it by probing the holder on the dispatch socket
+(an empty ABORT, which fails at once when the connection is gone) and asks
+again with the answer:
 
-=======================  =======================  ===================================
-live holder's engine_id  new engine_id            verdict
-=======================  =======================  ===================================
-(no live holder)         anything                 take: new lease, new incarnation
-None                     None                     take: a vLLM engine restarted
-X                        X (not None)             duplicate: idempotent, renews lease
-X                        Y != X (either may be    refuse: ENGINE_ID_MISMATCH, with
-                         None, not both)          the time left on the old lease
-=======================  =======================  ===================================
+=======================  ===============  ================  ===================================
+live holder's engine_id  new engine_id    holder reachable  verdict
+=======================  ===============  ================  ===================================
+(no live holder)         anything         -                 take: new lease, new incarnation
+None                     None             -                 take: a vLLM engine restarted
+X                        X (not None)     -                 duplicate: idempotent, renews lease
+X                        Y != X (either   unknown, holder   probe the holder first
+                         may be None,     greeted on
+                         not both)        dispatch
+X                        Y != X           yes, or unknown   refuse: ENGINE_ID_MISMATCH, with
+                                          and not greeted   the time left on the old lease
+X                        Y != X           no                take over: the holder's lease turns
+                                                            DEAD (disconnected), then take
+=======================  ===============  ================  ===================================
 
 After HELLO, a lease moves through the states of ``RankState`` by the events
 in ``NEXT_STATE``, a plain (state, event) -> next-state table. For the
@@ -58,6 +67,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from coordinator.protocol.errors import RankRangeError
@@ -70,6 +80,7 @@ __all__ = [
     "HelloVerdict",
     "LeaseEvent",
     "Membership",
+    "ProbeHolder",
     "RankChanged",
     "RankState",
     "RefusalReason",
@@ -180,13 +191,6 @@ class Refused:
     message: str
 
 
-@dataclass(frozen=True)
-class Accepted:
-    """A HELLO or READY that was allowed. ``replaced`` is the previous lease, if any."""
-
-    lease: EngineLease
-    replaced: EngineLease | None = None
-    duplicate: bool = False
 
 
 @dataclass(frozen=True)
@@ -199,14 +203,42 @@ class RankChanged:
     cause: str
 
 
+@dataclass(frozen=True)
+class Accepted:
+    """A HELLO or READY that was allowed. ``replaced`` is the previous lease, if any;
+    ``released`` is the holder's own change when this HELLO took over from it."""
+
+    lease: EngineLease
+    replaced: EngineLease | None = None
+    duplicate: bool = False
+    released: RankChanged | None = None
+
+
+@dataclass(frozen=True)
+class ProbeHolder:
+    """A HELLO that can be decided only once it is known whether ``holder`` is still
+    connected: probe it, then call ``hello`` again with ``holder_reachable``."""
+
+    rank: int
+    holder: EngineLease
+
+
 class HelloVerdict(enum.Enum):
     TAKE = "take"
     DUPLICATE = "duplicate"
     MISMATCH = "mismatch"
+    PROBE_HOLDER = "probe_holder"
+    TAKE_OVER = "take_over"
 
 
-def hello_verdict(holder: EngineLease | None, engine_id: str | None) -> HelloVerdict:
-    """What a HELLO carrying ``engine_id`` does to a rank whose live lease is ``holder``."""
+def hello_verdict(
+    holder: EngineLease | None, engine_id: str | None, holder_reachable: bool | None = True
+) -> HelloVerdict:
+    """What a HELLO carrying ``engine_id`` does to a rank whose live lease is ``holder``.
+
+    ``holder_reachable`` is whether the holder's connection is still there (None:
+    not known yet). It matters only when the engine ids disagree.
+    """
     if holder is None:
         return HelloVerdict.TAKE
     if holder.engine_id is None and engine_id is None:
@@ -215,7 +247,10 @@ def hello_verdict(holder: EngineLease | None, engine_id: str | None) -> HelloVer
         return HelloVerdict.TAKE
     if holder.engine_id == engine_id:
         return HelloVerdict.DUPLICATE
-    return HelloVerdict.MISMATCH
+    if holder_reachable is None:
+        # Only a holder that greeted on dispatch can be probed there.
+        return HelloVerdict.PROBE_HOLDER if holder.dispatch_connected else HelloVerdict.MISMATCH
+    return HelloVerdict.MISMATCH if holder_reachable else HelloVerdict.TAKE_OVER
 
 
 def is_alive(lease: EngineLease, now: float | None, lease_ttl_s: float) -> bool:
@@ -332,23 +367,40 @@ class Membership:
     # -- handshake -------------------------------------------------------------
 
     def hello(
-        self, rank: int, *, engine_id: str | None, local: bool, headless: bool, now: float
-    ) -> Accepted | Refused:
-        """An engine asks for ``rank`` (handshake HELLO)."""
+        self,
+        rank: int,
+        *,
+        engine_id: str | None,
+        local: bool,
+        headless: bool,
+        now: float,
+        holder_reachable: bool | None = True,
+    ) -> Accepted | Refused | ProbeHolder:
+        """An engine asks for ``rank`` (handshake HELLO); see ``hello_verdict``.
+
+        ``holder_reachable=None`` lets the answer be ``ProbeHolder`` when the verdict
+        depends on whether the live holder is still connected.
+        """
         out_of_range = self.check_rank(rank)
         if out_of_range is not None:
             return out_of_range
         previous = self._leases.get(rank)
         holder = previous if previous is not None and self._alive(previous, now) else None
-        verdict = hello_verdict(holder, engine_id)
-        if verdict is HelloVerdict.MISMATCH and holder is not None:
-            return Refused(
-                RefusalReason.ENGINE_ID_MISMATCH,
-                self._mismatch_message(holder, engine_id, now),
-            )
-        if verdict is HelloVerdict.DUPLICATE and holder is not None:
-            holder.last_seen = now
-            return Accepted(dataclasses.replace(holder), duplicate=True)
+        verdict = hello_verdict(holder, engine_id, holder_reachable)
+        released: RankChanged | None = None
+        if holder is not None:
+            if verdict is HelloVerdict.MISMATCH:
+                return Refused(
+                    RefusalReason.ENGINE_ID_MISMATCH,
+                    self._mismatch_message(holder, engine_id, now),
+                )
+            if verdict is HelloVerdict.PROBE_HOLDER:
+                return ProbeHolder(rank, dataclasses.replace(holder))
+            if verdict is HelloVerdict.DUPLICATE:
+                holder.last_seen = now
+                return Accepted(dataclasses.replace(holder), duplicate=True)
+            if verdict is HelloVerdict.TAKE_OVER:
+                released = self.disconnected(rank, now)[0]
         incarnation = self._last_incarnation.get(rank, 0) + 1
         self._last_incarnation[rank] = incarnation
         fresh = EngineLease(
@@ -363,7 +415,7 @@ class Membership:
         )
         self._leases[rank] = fresh
         self._dispatchable = None
-        return Accepted(dataclasses.replace(fresh), replaced=previous)
+        return Accepted(dataclasses.replace(fresh), replaced=previous, released=released)
 
     def ready(
         self, rank: int, *, parallel_config_hash: str | None, now: float
@@ -456,11 +508,14 @@ class Membership:
         cause = f"engine disconnected (last seen {age} s ago)"
         return self._apply(lease, LeaseEvent.DISCONNECT, cause)
 
-    def expire(self, now: float) -> list[RankChanged]:
-        """Leases not renewed within the TTL turn DEAD."""
+    def expire(self, now: float, *, spare: Collection[int] = ()) -> list[RankChanged]:
+        """Leases not renewed within the TTL turn DEAD, except those of ``spare``
+        (ranks being probed right now: their probe's answer decides)."""
         changes: list[RankChanged] = []
         for rank in sorted(self._leases):
             lease = self._leases[rank]
+            if rank in spare:
+                continue
             if lease.state is not RankState.DEAD and not self._alive(lease, now):
                 age = _seconds(now - lease.last_seen)
                 changes += self._apply(

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from coordinator.protocol.addresses import check_bind_safety
-from coordinator.server.transport import DEFAULT_MAX_MESSAGE_BYTES, SOCKET_KEYS
+from coordinator.protocol.addresses import SOCKET_KEYS, check_bind_safety
+from coordinator.protocol.identity import MAX_RANK
+from coordinator.server.transport import DEFAULT_MAX_MESSAGE_BYTES
 
 
 @dataclass
@@ -69,12 +70,12 @@ class ServerConfig:
 
     def validate(self) -> None:
         """Raise ValueError with a message an operator can act on."""
-        if not 1 <= self.engines <= 65536:
-            raise ValueError(f"--engines must be between 1 and 65536, got {self.engines}")
-        if self.rank_start < 0 or self.rank_start + self.engines > 65536:
+        if not 1 <= self.engines <= MAX_RANK + 1:
+            raise ValueError(f"--engines must be between 1 and {MAX_RANK + 1}, got {self.engines}")
+        if self.rank_start < 0 or self.rank_start + self.engines > MAX_RANK + 1:
             raise ValueError(
                 f"ranks {self.rank_start}..{self.rank_start + self.engines - 1} do not fit in "
-                "a two-byte engine identity (0..65535)"
+                f"a two-byte engine identity (0..{MAX_RANK})"
             )
         if self.port_base is not None:
             if self.host is None:

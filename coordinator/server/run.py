@@ -7,11 +7,10 @@ import json
 import logging
 import signal
 import sys
-from collections.abc import Coroutine
-from typing import Any
 
 import zmq
 
+from coordinator._zmq import run_loop
 from coordinator.server.app import CoordinatorServer
 from coordinator.server.config import ServerConfig
 from coordinator.server.statefile import StateFileError
@@ -31,21 +30,6 @@ def configure_logging(level: str) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-
-
-def run_event_loop(main: Coroutine[Any, Any, int], loop: str = "auto") -> int:
-    """Run on uvloop when asked for or (with "auto") when installed, else asyncio's loop."""
-    if loop == "asyncio":
-        return asyncio.run(main)
-    try:
-        import uvloop
-    except ImportError:
-        if loop == "uvloop":
-            main.close()
-            raise RuntimeError("--loop uvloop was asked for but uvloop is not installed") from None
-        return asyncio.run(main)
-    result: int = uvloop.run(main)
-    return result
 
 
 async def serve_until_signal(server: CoordinatorServer) -> int:
@@ -107,7 +91,7 @@ def run_server(config: ServerConfig, *, print_addresses: bool = True) -> int:
     if print_addresses:
         print(json.dumps(addresses, sort_keys=True), flush=True)
     try:
-        return run_event_loop(serve_until_signal(server), config.loop)
+        return run_loop(serve_until_signal(server), config.loop)
     except Exception:
         log.exception("coordinator failed")
         return EXIT_FATAL

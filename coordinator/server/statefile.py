@@ -1,15 +1,8 @@
-"""The little a restarted coordinator cannot learn again from its peers.
+"""Reading and writing the state file (`--state-file`): IO only.
 
-Engines re-report their wave and loads, and their sockets reconnect by
-themselves, but a stock vLLM engine never says HELLO again and a frontend's
-registration is not repeated either. `--state-file` keeps exactly that: the
-settled registrations, the frontends, whether the start-up gate had opened, and
-the last wave (a floor: engine reports can only move it forward).
-
-Not kept, on purpose: requests in flight. Their outputs go from engine to
-frontend without passing through here, so they still finish; what a restart
-loses is the routing entry used to forward an abort or to report the request
-failed if its rank dies.
+What goes into the file, and why, is the core's business
+(`coordinator.core.persisted`); this module writes it atomically and reads it
+back, refusing a file it cannot use with advice on what to do.
 """
 
 from __future__ import annotations
@@ -20,34 +13,9 @@ import tempfile
 
 import msgspec
 
-STATE_VERSION = 1
+from coordinator.core.persisted import STATE_VERSION, SavedState
 
-
-class SavedLease(msgspec.Struct):
-    rank: int
-    engine_id: str | None
-    incarnation: int
-    state: str
-    local: bool
-    headless: bool
-    parallel_config_hash: str | None
-
-
-class SavedFrontend(msgspec.Struct):
-    client_index: int
-    identity_hex: str
-    output_address: str
-    input_address: str | None
-
-
-class SavedState(msgspec.Struct):
-    version: int
-    wave: int
-    gate_open: bool
-    inits_sent: bool
-    leases: list[SavedLease]
-    frontends: list[SavedFrontend]
-    addresses: dict[str, str]
+__all__ = ["STATE_VERSION", "SavedState", "StateFileError", "load_state", "save_state"]
 
 
 class StateFileError(RuntimeError):

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-SOCKET_KEYS = ("handshake", "dispatch", "back_output", "back_publish", "front_publish", "frontend")
+from coordinator.protocol.addresses import is_ipv6_tcp, tcp_endpoint
 
 # Bounds on what any peer may send us; larger messages drop the connection.
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -32,9 +32,7 @@ def make_endpoint(key: str, *, host: str | None, ipc_dir: str, port: int = 0) ->
     """Where to bind socket `key`: ipc in `ipc_dir` by default, tcp `port` with a host."""
     if host is None:
         return f"ipc://{os.path.join(ipc_dir, key)}"
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"tcp://{host}:{port}"
+    return tcp_endpoint(host, port)
 
 
 def new_ipc_dir() -> str:
@@ -54,7 +52,7 @@ def bind_socket(
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
-    if endpoint.startswith("tcp://["):
+    if is_ipv6_tcp(endpoint):
         sock.setsockopt(zmq.IPV6, 1)
     for option, value in options:
         sock.setsockopt(option, value)

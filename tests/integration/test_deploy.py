@@ -41,7 +41,7 @@ import yaml
 from coordinator.cli import build_parser
 from coordinator.frontend import FrontendClient
 from coordinator.launch import stop_process
-from coordinator.server.transport import SOCKET_KEYS
+from coordinator.protocol.addresses import SOCKET_KEYS
 from coordinator.sim import SimConfig, SimEngineGroup
 
 pytestmark = pytest.mark.timeout(120)

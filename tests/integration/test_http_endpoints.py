@@ -21,9 +21,8 @@ from coordinator.server.http import (
     ObservedState,
     RankView,
     add_observability_arguments,
-    handshake_outcomes,
-    split_counter,
 )
+from coordinator.server.metrics import handshake_outcomes, split_counter
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -463,3 +463,11 @@ def test_p2c_pick_is_never_the_strict_worst(
 ])
 def test_balance_ratio(loads: list[int], expected: float) -> None:
     assert balance_ratio(loads) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("loads", "ratio"),
+    [([], 1.0), ([0, 0], 1.0), ([4, 4, 4], 1.0), ([4, 0, 0, 0], 0.25), ([2, 4], 0.75)],
+)
+def test_balance_ratio_is_mean_over_max(loads: list[int], ratio: float) -> None:
+    assert balance_ratio(loads) == pytest.approx(ratio)

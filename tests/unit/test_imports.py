@@ -33,6 +33,7 @@ SDKS = ("coordinator.engine", "coordinator.frontend", "coordinator.loadgen",
 TOP_LEVEL = {"__init__", "__main__", "_zmq", "engine", "frontend", "loadgen", "launch",
              "vllm_compat", "vllm_plugin"}
 MAX_MODULE_LINES = 800
+MAX_SERVER_MODULE_LINES = 500
 
 Graph = Mapping[str, set[str]]
 
@@ -193,10 +194,12 @@ def test_the_top_level_holds_only_sdks_launch_and_vllm_modules() -> None:
             and (path / "__init__.py").exists()} == {"cli", "core", "protocol", "server", "sim"}
 
 
-def test_no_module_outside_the_server_is_over_800_lines() -> None:
+def test_no_module_is_over_800_lines_and_none_in_the_server_over_500() -> None:
+    # The server only moves bytes; a long file there is a sign that a rule crept in.
+    limits = {name: MAX_SERVER_MODULE_LINES if _within(name, "coordinator.server")
+              else MAX_MODULE_LINES for name in modules_of(ROOT)}
     long = {name: n for name, path in modules_of(ROOT).items()
-            if not _within(name, "coordinator.server")
-            and (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES}
+            if (n := len(path.read_text(encoding="utf-8").splitlines())) > limits[name]}
     assert long == {}
 
 

@@ -13,6 +13,7 @@ from coordinator.core.membership import (
     EngineLease,
     HelloVerdict,
     Membership,
+    ProbeHolder,
     RankChanged,
     RankState,
     RefusalReason,
@@ -56,7 +57,9 @@ def changed(result: RankChanged | Refused) -> RankChanged:
 def hello(
     m: Membership, rank: int, engine_id: str | None = None, now: float = 0.0
 ) -> Accepted | Refused:
-    return m.hello(rank, engine_id=engine_id, local=False, headless=True, now=now)
+    result = m.hello(rank, engine_id=engine_id, local=False, headless=True, now=now)
+    assert not isinstance(result, ProbeHolder)  # the holder counts as reachable by default
+    return result
 
 
 def bring(m: Membership, rank: int, state: RankState, now: float = 0.0) -> None:
@@ -262,6 +265,66 @@ def test_engine_id_mismatch_exact_text() -> None:
         "Stop the old engine, or wait until its lease expires in 8.5 s; it is replaced "
         "automatically then, when this engine says HELLO again."
     )
+
+
+def probed_hello(
+    m: Membership, rank: int, engine_id: str | None, now: float, reachable: bool | None
+) -> Accepted | Refused | ProbeHolder:
+    return m.hello(rank, engine_id=engine_id, local=False, headless=True, now=now,
+                   holder_reachable=reachable)
+
+
+@pytest.mark.parametrize(
+    ("greeted", "reachable", "verdict"),
+    [
+        (True, None, HelloVerdict.PROBE_HOLDER),
+        (False, None, HelloVerdict.MISMATCH),  # nothing to probe it on
+        (True, True, HelloVerdict.MISMATCH),
+        (False, True, HelloVerdict.MISMATCH),
+        (True, False, HelloVerdict.TAKE_OVER),
+        (False, False, HelloVerdict.TAKE_OVER),
+    ],
+)
+def test_hello_verdict_reachability_column(
+    greeted: bool, reachable: bool | None, verdict: HelloVerdict
+) -> None:
+    m = make()
+    bring(m, 5, S.READY)
+    if greeted:
+        assert m.greeted(5, 0.0)
+    holder = m.lease(5)
+    assert hello_verdict(holder, "other", reachable) is verdict
+    # Reachability never matters when the ids agree or nobody holds the rank.
+    assert hello_verdict(holder, None, reachable) is HelloVerdict.TAKE
+    assert hello_verdict(None, "other", reachable) is HelloVerdict.TAKE
+
+
+def test_unknown_reachability_of_a_greeted_holder_asks_for_a_probe_and_changes_nothing() -> None:
+    m = make()
+    accepted(hello(m, 5, "engine-a", now=0.0))
+    accepted(m.ready(5, parallel_config_hash=None, now=0.0))
+    assert m.greeted(5, 1.0)
+    before = state_of(m)
+    result = probed_hello(m, 5, "engine-b", 2.0, None)
+    assert isinstance(result, ProbeHolder)
+    assert result.rank == 5 and result.holder.engine_id == "engine-a"
+    assert state_of(m) == before
+    # The holder answered: an ordinary mismatch refusal.
+    assert refused(probed_hello(m, 5, "engine-b", 2.0, True)).reason is R.ENGINE_ID_MISMATCH
+
+
+def test_an_unreachable_holder_is_released_and_the_new_engine_takes_over() -> None:
+    m = make()
+    accepted(hello(m, 5, "engine-a", now=0.0))
+    accepted(m.ready(5, parallel_config_hash=None, now=0.0))
+    assert m.greeted(5, 1.0)
+    taken = probed_hello(m, 5, "engine-b", 3.0, False)
+    assert isinstance(taken, Accepted)
+    assert taken.released == RankChanged(
+        5, S.READY, S.DEAD, "engine disconnected (last seen 2.0 s ago)")
+    assert taken.replaced is not None and taken.replaced.state is S.DEAD
+    assert taken.lease.engine_id == "engine-b" and taken.lease.incarnation == 2
+    assert m.dispatchable() == []
 
 
 def test_lease_is_alive_up_to_and_including_its_ttl() -> None:
@@ -497,6 +560,16 @@ def test_expire_reaps_only_leases_past_their_ttl() -> None:
         RankChanged(6, S.HANDSHAKING, S.DEAD, "lease expired (last seen 95.0 s ago)"),
     ]
     assert m.expire(200.0) == []
+
+
+def test_expire_spares_ranks_being_probed() -> None:
+    m = make()
+    bring(m, 4, S.READY, now=0.0)
+    bring(m, 5, S.READY, now=0.0)
+    assert m.expire(TTL + 1, spare={4}) == [
+        RankChanged(5, S.READY, S.DEAD, "lease expired (last seen 11.0 s ago)"),
+    ]
+    assert [change.rank for change in m.expire(TTL + 1)] == [4]
 
 
 def test_dead_never_comes_back_without_hello() -> None:

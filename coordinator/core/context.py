@@ -1,0 +1,337 @@
+"""The state every rule of the core shares: the composed machines, the outbox, the glue.
+
+``CoreContext`` builds the machines of this package from ``CoreConfig`` and
+holds what an event produces while it is handled: the actions (``_out``), and
+whether the state file or the operators' snapshot must be refreshed once the
+event is done (``_flush``). It also holds the glue that both sides of the
+core need: applying the wave machine's actions (through the start-up gate),
+what a rank leaving or changing state means (its requests fail, the group
+pauses), drain notices, full publishes, and the read-only views
+(``group_state``, ``saved_state``, ``counter_values``).
+
+The rules themselves are in ``engine_rules`` (engines, the wave plane,
+liveness) and ``frontend_rules`` (frontends: registration and requests);
+``coordinator.CoordinatorCore`` puts them together and dispatches events.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from logging import DEBUG, ERROR, INFO, WARNING
+
+from coordinator.core import liveness
+from coordinator.core.actions import (
+    NO_ACTIONS,
+    REFRESH_OBSERVED,
+    Action,
+    Log,
+    Publish,
+    SaveState,
+    Send,
+    SendPurpose,
+    SocketName,
+)
+from coordinator.core.balancer import BalancePolicy, LoadTable, make_policy
+from coordinator.core.events import HandshakeReceived
+from coordinator.core.frontends import FrontendRegistry
+from coordinator.core.gate import GateStep, StartGate
+from coordinator.core.membership import EngineLease, Membership, RankChanged, RankState
+from coordinator.core.persisted import STATE_VERSION, SavedLease, SavedState
+from coordinator.core.publishing import PublishSchedule
+from coordinator.core.recorder import (
+    KIND_MEMBERSHIP,
+    KIND_WAKE,
+    KIND_WAVE,
+    FlightRecorder,
+    WaveTimeline,
+)
+from coordinator.core.requests import RequestLedger
+from coordinator.core.watchdog import HangWatchdog
+from coordinator.core.waves import BroadcastStartWave, PublishWave, WaveAction, WaveState
+from coordinator.protocol import frontend as fp
+from coordinator.protocol import vllm
+
+# Registrations that survive a coordinator restart (see core.persisted).
+_SETTLED = (RankState.READY, RankState.CORDONED, RankState.DRAINING)
+
+
+@dataclass(frozen=True)
+class CoreConfig:
+    """The core's settings (the server's flags that are rules, not IO)."""
+
+    rank_start: int
+    engines: int
+    frontends: int = 0
+    max_frontends: int = 1024
+    max_in_flight: int = 1_000_000
+    lockstep: bool = True
+    lease_ttl_s: float = 10.0
+    handshake_ttl_s: float = 1800.0
+    publish_interval_s: float = 0.1
+    heartbeat_s: float = 5.0
+    first_publish_delay_s: float = 0.05
+    policy: str = "least-loaded"
+    legacy_frontends: bool = False
+    """Also honour the pre-0.33 frontend wake, and publish 2-wide count rows."""
+    watchdog_stall_s: float = 30.0
+    """0 disables the watchdog's alerts."""
+    watchdog_rewake: bool = True
+    recorder_size: int = 1000
+    persist: bool = False
+    """Emit ``SaveState`` whenever what a restart needs changed."""
+    rewake_after_s: float = 1.0
+    observe_interval_s: float = 0.25
+    state_retry_s: float = 1.0
+
+
+class CoreContext:
+    """The composed machines and the outbox; see the module docstring."""
+
+    def __init__(self, config: CoreConfig, *, rng: random.Random, now: float) -> None:
+        self.config = config
+        self.counters: Counter[str] = Counter()
+        self.membership = Membership(
+            rank_start=config.rank_start, rank_count=config.engines,
+            lease_ttl_s=config.lease_ttl_s, handshake_ttl_s=config.handshake_ttl_s,
+        )
+        self.waves = WaveState(lockstep=config.lockstep, rewake_after_s=config.rewake_after_s)
+        self.loads = LoadTable(config.rank_start + config.engines)
+        self.policy: BalancePolicy = make_policy(config.policy, rng)
+        self.schedule = PublishSchedule(
+            min_interval_s=config.publish_interval_s, heartbeat_s=config.heartbeat_s,
+            first_publish_delay_s=config.first_publish_delay_s,
+        )
+        self.gate = StartGate(config.engines)
+        self.frontends = FrontendRegistry(
+            expected=config.frontends, max_frontends=config.max_frontends
+        )
+        self.requests = RequestLedger(max_in_flight=config.max_in_flight)
+        self.recorder = FlightRecorder(config.recorder_size)
+        self.watchdog = HangWatchdog(stall_after_s=config.watchdog_stall_s or 30.0)
+        self.timeline = WaveTimeline(now=now)
+        self.dispatched_by_rank: Counter[int] = Counter()
+        self.addresses: dict[str, str] = {}
+        self.parallel_config: dict[str, int | str | list[int]] = {}
+        self.shutting_down = False
+        self.extra_counters: Callable[[], Mapping[str, int]] | None = None
+        """Counters kept outside the core (CURVE refusals), merged into every view."""
+        self._rank_end = config.rank_start + config.engines
+        self._row_width = 2 if config.legacy_frontends else 3
+        self._publish_requested = False
+        self._quiet_after_s = liveness.quiet_after_s(config.lease_ttl_s)
+        self._lease_interval_s = liveness.check_interval_s(config.lease_ttl_s)
+        self._next_lease_check = now + self._lease_interval_s
+        self._next_observe = now + config.observe_interval_s
+        self._save_retry_at: float | None = None
+        self._hellos_probing: dict[int, HandshakeReceived] = {}
+        # Hot counters as plain ints, merged into counter_values().
+        self._stats_reports = 0
+        self._dispatched = 0
+        # Actions of the event being handled, and what to append once at its end.
+        self._out: list[Action] = []
+        self._save_due = False
+        self._refresh_due = False
+
+    @property
+    def rank_range(self) -> range:
+        """The ranks this coordinator manages now (an elastic resize changes it)."""
+        return range(self.config.rank_start, self._rank_end)
+
+    def counter_values(self) -> dict[str, int]:
+        """Every counter by name, including those kept outside the core."""
+        counters = dict(self.counters)
+        if self._stats_reports:
+            counters["stats.reports"] = self._stats_reports
+        if self._dispatched:
+            counters["submit.dispatched"] = self._dispatched
+        if self.extra_counters is not None:
+            counters.update(self.extra_counters())
+        return counters
+
+    def group_state(self, now: float) -> fp.GroupState:
+        """The group as the frontend protocol's ``state`` reply shows it."""
+        wave, running = self.waves.snapshot()
+        leases: dict[int, EngineLease] = {lease.rank: lease for lease in self.membership.leases()}
+        engines: list[fp.EngineStatus] = []
+        for rank in self.rank_range:
+            load = self.loads.load(rank)
+            lease = leases.get(rank)
+            engines.append(fp.EngineStatus(
+                rank=rank, state=lease.state.value if lease else "absent",
+                engine_id=lease.engine_id if lease else None,
+                waiting=load.waiting, running=load.running, kv_cache_usage=load.kv_cache_usage,
+                dispatched_since_report=load.dispatched_since_report,
+                in_flight=self.requests.count(rank),
+                last_seen_age_s=round(now - lease.last_seen, 3) if lease else None,
+            ))
+        return fp.GroupState(
+            wave=wave, running=running, lockstep=self.config.lockstep,
+            rank_start=self.config.rank_start, rank_count=len(self.rank_range),
+            frontends=len(self.frontends), in_flight=len(self.requests), engines=engines,
+            counters=self.counter_values(), shutting_down=self.shutting_down,
+        )
+
+    def saved_state(self) -> SavedState:
+        """What a restarted coordinator resumes from (see ``core.persisted``)."""
+        leases = [
+            SavedLease(lease.rank, lease.engine_id, lease.incarnation, lease.state.value,
+                       lease.local, lease.headless, lease.parallel_config_hash)
+            for lease in self.membership.leases() if lease.state in _SETTLED
+        ]
+        return SavedState(
+            version=STATE_VERSION, wave=self.waves.current_wave, gate_open=self.gate.is_open,
+            inits_sent=self.frontends.inits_sent, leases=leases,
+            frontends=self.frontends.saved(), addresses=dict(self.addresses),
+        )
+
+    # ---- outputs ---------------------------------------------------------------------------
+
+    def _flush(self) -> Sequence[Action]:
+        out = self._out
+        if self._save_due:
+            self._save_due = False
+            out.append(SaveState(self.saved_state()))
+        if self._refresh_due:
+            self._refresh_due = False
+            out.append(REFRESH_OBSERVED)
+        if not out:
+            return NO_ACTIONS
+        self._out = []
+        return out
+
+    def _send(self, socket: SocketName, identity: bytes, frames: Sequence[bytes],
+              purpose: SendPurpose = SendPurpose.REPLY, *, confirm: bool = False) -> None:
+        self._out.append(Send(socket, identity, frames, purpose, confirm))
+
+    def _reply(self, identity: bytes, message: fp.FrontendReply,
+               purpose: SendPurpose = SendPurpose.REPLY) -> None:
+        self._out.append(Send("frontend", identity, (fp.encode(message),), purpose))
+
+    def _notify_frontends(self, message: fp.FrontendReply) -> None:
+        notice = (fp.encode(message),)
+        for identity in self.frontends.identities():
+            self._out.append(Send("frontend", identity, notice, SendPurpose.NOTICE))
+
+    def _log(self, level: int, message: str, *args: object, key: str | None = None) -> None:
+        self._out.append(Log(level, message, args, key))
+
+    def _state_changed(self) -> None:
+        """Registrations, frontends, the gate or the wave changed: a restart needs this."""
+        if self.config.persist:
+            self._save_due = True
+
+    def _record(self, now: float, kind: str, cause: str, *, rank: int | None = None,
+                **detail: object) -> None:
+        wave, running = self.waves.snapshot()
+        self.recorder.record(at=now, kind=kind, cause=cause, wave=wave, running=running,
+                             rank=rank, **detail)
+
+    def _drop(self, socket: SocketName, reason: str, detail: str, peer: str = "") -> None:
+        """Count and (rate-limited) log one piece of bad input; state is untouched."""
+        self.counters[f"dropped.{socket}.{reason}"] += 1
+        self._log(WARNING, "dropped bad input on %s%s (%s): %s", socket,
+                  f" from {peer}" if peer else "", reason, detail,
+                  key=f"{socket}:{reason}:{peer}")
+
+    def _ignore(self, event: object, now: float) -> None:
+        """Events that change nothing (the last frontend subscriber leaving)."""
+
+    # ---- waves -----------------------------------------------------------------------------
+
+    def _apply_wave_actions(self, actions: Sequence[WaveAction], now: float, *, cause: str,
+                            rank: int | None, coordinator_wake: bool = False) -> None:
+        for action in actions:
+            if isinstance(action, BroadcastStartWave):
+                self._wake(vllm.encode_start_dp_wave(action.wave, action.exclude))
+                self.counters["waves.start_broadcasts"] += 1
+                if coordinator_wake:
+                    self.timeline.wake_sent(action.wave, now)
+                self._record(now, KIND_WAKE, cause, rank=rank, exclude=action.exclude)
+                self._log(DEBUG, "START_DP_WAVE [%d, %s] (%s)", action.wave, action.exclude,
+                          cause)
+            elif isinstance(action, PublishWave):
+                self._out.append(Publish("front_publish", (
+                    vllm.encode_front_publish(None, action.wave, action.running),
+                )))
+                self.counters["publish.wave"] += 1
+                self.timeline.observe(action.wave, action.running, now)
+                # The watchdog learns of the change at its next tick (O(ranks) work stays
+                # off the wake path); the recorder and /debug/waves have it now.
+                self._record(now, KIND_WAVE, cause, rank=rank)
+                self._log(DEBUG, "wave %d %s (%s)", action.wave,
+                          "running" if action.running else "paused", cause)
+        if actions:
+            self._state_changed()
+            self._refresh_due = True
+
+    def _wake(self, frames: list[bytes]) -> None:
+        """A START_DP_WAVE, unless the gate holds it: nothing but READY may come first."""
+        if self.gate.wake(frames) is GateStep.PASS:
+            self._out.append(Publish("back_publish", frames))
+        else:
+            self.counters["waves.start_held_for_gate"] += 1
+
+    # ---- membership changes ----------------------------------------------------------------
+
+    def _on_rank_changed(self, change: RankChanged, now: float) -> None:
+        self._state_changed()
+        self._record(now, KIND_MEMBERSHIP, change.cause, rank=change.rank,
+                     old=change.old.value if change.old else None,
+                     new=change.new.value if change.new else None)
+        self._refresh_due = True
+        self._log(INFO, "dp_rank=%d: %s -> %s (%s)", change.rank,
+                  change.old.value if change.old else "absent",
+                  change.new.value if change.new else "absent", change.cause)
+        if change.new in (RankState.DEAD, None):
+            self.counters["lease.dead"] += 1
+            self._fail_rank_requests(change.rank, change.cause)
+            self._apply_wave_actions(self.waves.on_group_changed(), now,
+                                     cause=f"dp_rank={change.rank} left: {change.cause}",
+                                     rank=change.rank)
+            if self.config.lockstep:
+                self._log(ERROR, "dp_rank=%d is gone (%s): in lockstep mode the group cannot "
+                          "finish a wave until it is back", change.rank, change.cause)
+
+    def _fail_rank_requests(self, rank: int, reason: str) -> None:
+        for frontend, ids in self.requests.take_rank(rank).items():
+            self.counters["requests.failed"] += len(ids)
+            self._reply(frontend, fp.RequestsFailed(ids, rank, reason), SendPurpose.NOTICE)
+
+    def _maybe_drained(self, rank: int) -> None:
+        lease = self.membership.lease(rank)
+        if lease is None or lease.state is not RankState.DRAINING or self.requests.count(rank):
+            return
+        self._log(INFO, "dp_rank=%d drained: no requests in flight", rank)
+        self._notify_frontends(fp.RankDrained(rank))
+
+    def _publish_full(self, now: float) -> None:
+        rows = self.loads.take_publish_rows()
+        wave, running = self.waves.snapshot()
+        self._out.append(Publish("front_publish", (
+            vllm.encode_front_publish(rows, wave, running, row_width=self._row_width),
+        )))
+        self.schedule.published(now)
+        self._publish_requested = False
+        self.counters["publish.full"] += 1
+
+    def _send_init(self, rank: int, identity: bytes) -> None:
+        frontends = self.frontends
+        addresses = vllm.EngineZmqAddresses(
+            inputs=[self.addresses["dispatch"], *frontends.input_addresses()],
+            outputs=frontends.output_addresses(),
+            coordinator_input=self.addresses["back_publish"],
+            coordinator_output=self.addresses["back_output"],
+            frontend_stats_publish_address=self.addresses["front_publish"],
+        )
+        meta = vllm.EngineHandshakeMetadata(addresses=addresses,
+                                            parallel_config=self.parallel_config)
+        self._send("handshake", identity, (vllm.encode_init(meta),), SendPurpose.INIT,
+                   confirm=True)
+
+    def _send_failed_log(self, socket: SocketName, identity: bytes) -> None:
+        self._log(WARNING, "could not send on %s to %r (peer gone or queue full)", socket,
+                  identity, key=f"send:{socket}:{identity!r}")
+

@@ -1,0 +1,169 @@
+"""What the server tells the core: decoded frames, send outcomes, timers, commands.
+
+Every event is small and immutable. The server decodes each frame at the edge
+with the protocol package's typed decoders and hands the core the result:
+
+* a decoded struct, where the struct says it all: ``vllm.EngineReport`` (the
+  stats and wave reports on ``back_output``, the hot path, so no wrapper is
+  built for it), ``vllm.ScaleElasticEP`` and ``vllm.LegacyFirstRequest``
+  (``front_publish``);
+* an event of this module wrapping a decoded struct with where it came from
+  (``HandshakeReceived``, ``FrontendRequestReceived``), or saying what
+  happened (``EngineGreeted``, ``EngineSubscribed``, ``FrontendSubscribed``);
+* ``BadFrame`` when decoding failed, carrying the ``ProtocolError``: counting,
+  logging and any reply are the core's decision too.
+
+Outcomes of sends come back as ``SendFailed`` (always) and ``SendSucceeded``
+(only for a ``Send`` the core marked ``confirm``), right after the send and
+before any other event. Time comes with every event as ``now``; ``Tick`` is
+the timer firing. The rest are the process's own life: ``Bound`` (the
+sockets' addresses), ``Restore`` (a state file to resume from),
+``StateSaveFailed``, ``Shutdown`` and the operator's ``DumpRecorder``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, TypeAlias
+
+import msgspec
+
+from coordinator.core.actions import DispatchAdd, Send, SocketName
+from coordinator.core.persisted import SavedState
+from coordinator.protocol import frontend as fp
+from coordinator.protocol import vllm
+from coordinator.protocol.errors import ProtocolError
+
+SendFailure: TypeAlias = Literal["full", "unreachable"]
+
+
+class HandshakeReceived(msgspec.Struct, frozen=True):
+    """HELLO, READY or any other status from the engine whose identity names ``rank``."""
+
+    identity: bytes
+    rank: int
+    message: vllm.HandshakeMessage
+
+
+class EngineGreeted(msgspec.Struct, frozen=True, gc=False):
+    """The engine holding ``rank`` spoke on the dispatch socket (its ready greeting)."""
+
+    rank: int
+
+
+class EngineSubscribed(msgspec.Struct, frozen=True, gc=False):
+    """An engine subscribed on ``back_publish``."""
+
+
+class EngineUnsubscribed(msgspec.Struct, frozen=True, gc=False):
+    """The last engine subscriber left ``back_publish``."""
+
+
+class FrontendSubscribed(msgspec.Struct, frozen=True, gc=False):
+    """A frontend subscribed on ``front_publish``."""
+
+
+class FrontendUnsubscribed(msgspec.Struct, frozen=True, gc=False):
+    """The last frontend subscriber left ``front_publish``."""
+
+
+class FrontendRequestReceived(msgspec.Struct, frozen=True):
+    """A decoded frontend request from connection ``identity``; ``payload`` only for submit."""
+
+    identity: bytes
+    message: fp.FrontendRequest
+    payload: list[bytes]
+
+
+class BadFrame(msgspec.Struct, frozen=True):
+    """Input on ``socket`` that failed to decode.
+
+    ``identity`` is the peer's routing identity on ROUTER sockets, ``rank`` the
+    rank it names when it did (a handshake whose payload was bad),
+    ``frame_count`` how many frames the message had (identity included) and
+    ``call_id`` a frontend header's call id, when one could be read.
+    """
+
+    socket: SocketName
+    error: ProtocolError
+    identity: bytes | None = None
+    rank: int | None = None
+    frame_count: int = 0
+    call_id: int = 0
+
+
+class SendFailed(msgspec.Struct, frozen=True):
+    """The server could not hand ``action`` to its socket (peer gone, or queue full)."""
+
+    action: Send | DispatchAdd
+    reason: SendFailure
+
+
+class SendSucceeded(msgspec.Struct, frozen=True):
+    """A ``Send`` marked ``confirm`` was handed to its socket."""
+
+    action: Send
+
+
+class Tick(msgspec.Struct, frozen=True, gc=False):
+    """The timer fired (at or after ``CoordinatorCore.next_deadline()``)."""
+
+
+class Bound(msgspec.Struct, frozen=True):
+    """The sockets are bound: their addresses, and the DP meeting point sent in INIT."""
+
+    addresses: dict[str, str]
+    parallel_config: dict[str, int | str | list[int]]
+
+
+class Restore(msgspec.Struct, frozen=True):
+    """Resume from a previous process's state file (read from ``path``)."""
+
+    saved: SavedState
+    path: str
+
+
+class StateSaveFailed(msgspec.Struct, frozen=True):
+    """Writing the state file failed; ``error`` says why."""
+
+    path: str
+    error: str
+
+
+class Shutdown(msgspec.Struct, frozen=True):
+    """Stop taking work and say goodbye; the sockets close after this."""
+
+    reason: str
+
+
+class DumpRecorder(msgspec.Struct, frozen=True, gc=False):
+    """The operator asked for the whole flight recorder in the log (SIGUSR1)."""
+
+
+TICK = Tick()
+ENGINE_SUBSCRIBED = EngineSubscribed()
+ENGINE_UNSUBSCRIBED = EngineUnsubscribed()
+FRONTEND_SUBSCRIBED = FrontendSubscribed()
+FRONTEND_UNSUBSCRIBED = FrontendUnsubscribed()
+DUMP_RECORDER = DumpRecorder()
+
+Event: TypeAlias = (
+    HandshakeReceived
+    | EngineGreeted
+    | vllm.EngineReport
+    | EngineSubscribed
+    | EngineUnsubscribed
+    | FrontendSubscribed
+    | FrontendUnsubscribed
+    | vllm.ScaleElasticEP
+    | vllm.LegacyFirstRequest
+    | FrontendRequestReceived
+    | BadFrame
+    | SendFailed
+    | SendSucceeded
+    | Tick
+    | Bound
+    | Restore
+    | StateSaveFailed
+    | Shutdown
+    | DumpRecorder
+)

@@ -1,0 +1,190 @@
+"""The core's rules for frontends: registration, submits, finishes, aborts, admin, state.
+
+Admission and the in-flight ledger are ``core.requests``; registrations, the
+address pin and the INIT hold are ``core.frontends``; the rank comes from the
+balancer's policy over ``Membership.dispatchable()``. ``_on_submit`` is the
+dispatch hot path: one ``DispatchAdd`` for a submit to a running group.
+"""
+
+from __future__ import annotations
+
+from logging import INFO, WARNING
+
+from coordinator.core.actions import Action, DispatchAdd, Send, SendPurpose
+from coordinator.core.context import CoreContext
+from coordinator.core.events import FrontendRequestReceived
+from coordinator.core.frontends import RegisterVerdict
+from coordinator.core.membership import Refused
+from coordinator.core.requests import (
+    NO_READY_ENGINE,
+    Refusal,
+    dispatch_refusal,
+    explicit_rank_refusal,
+)
+from coordinator.protocol import frontend as fp
+from coordinator.protocol import vllm
+from coordinator.protocol.identity import rank_to_identity
+
+
+class FrontendRules(CoreContext):
+    """Handlers for what frontends send."""
+
+    # ---- frontends -------------------------------------------------------------------------
+
+    def _on_frontend_request(self, event: FrontendRequestReceived, now: float) -> None:
+        message = event.message
+        if type(message) is fp.Submit:
+            self._on_submit(event.identity, message, event.payload, now)
+        elif type(message) is fp.Finished:
+            for request_id in message.request_ids:
+                self._forget(request_id)
+        elif type(message) is fp.Register:
+            self._on_register(event.identity, message)
+        elif type(message) is fp.Abort:
+            self._on_abort(event.identity, message)
+        elif type(message) is fp.QueryState:
+            self._reply(event.identity, fp.StateReply(message.call_id, self.group_state(now)))
+        elif type(message) is fp.Admin:
+            self._on_admin(event.identity, message, now)
+
+    def _on_register(self, identity: bytes, msg: fp.Register) -> None:
+        registration = self.frontends.register(
+            msg.client_index, identity, msg.output_address, msg.input_address
+        )
+        if registration.refusal is not None:
+            self._reply(identity, fp.ErrorReply(msg.call_id, fp.ERR_BAD_CLIENT_INDEX,
+                                                registration.refusal))
+            return
+        self._state_changed()
+        previous = registration.previous
+        if registration.verdict is RegisterVerdict.MOVED and previous is not None:
+            moved = self.requests.move_frontend(previous.identity, identity)
+            self._log(WARNING, "frontend client_index=%d re-registered from a new connection; "
+                      "%d in-flight requests now report to it", msg.client_index, moved)
+        else:
+            self._log(INFO, "frontend client_index=%d registered (outputs at %s)",
+                      msg.client_index, msg.output_address)
+        wave, running = self.waves.snapshot()
+        self._reply(identity, fp.Registered(
+            msg.call_id, msg.client_index, self.config.rank_start, len(self.rank_range), wave,
+            running, self.config.lockstep))
+        for rank, engine in self.frontends.release_inits():
+            self._send_init(rank, engine)
+
+    def _on_submit(self, identity: bytes, msg: fp.Submit, payload: list[bytes],
+                   now: float) -> None:
+        refusal = self.requests.refusal(msg.request_id, shutting_down=self.shutting_down)
+        if refusal is not None:
+            self._refuse_submit(identity, msg.call_id, msg.request_id, refusal)
+            return
+        rank = msg.dp_rank
+        if rank is not None:
+            in_range = self.membership.check_rank(rank) is None
+            dispatchable = in_range and rank in self.membership.dispatchable()
+            if not dispatchable:
+                lease = self.membership.lease(rank) if in_range else None
+                self._refuse_submit(identity, msg.call_id, msg.request_id, explicit_rank_refusal(
+                    rank, in_range=in_range, state=lease.state.value if lease else "not registered",
+                    rank_start=self.config.rank_start, rank_count=len(self.rank_range),
+                ))
+                return
+        else:
+            rank = self.policy.pick(self.loads, self.membership.dispatchable())
+            if rank is None:
+                self._refuse_submit(identity, msg.call_id, msg.request_id, NO_READY_ENGINE)
+                return
+        self._dispatch(identity, msg.call_id, msg.request_id, msg.wave, payload, rank, now,
+                       tried=(), explicit=msg.dp_rank is not None, wake=None)
+
+    def _dispatch(self, identity: bytes, call_id: int, request_id: str, stamped_wave: int,
+                  payload: list[bytes], rank: int, now: float, *, tried: tuple[int, ...],
+                  explicit: bool, wake: tuple[Action, ...] | None) -> None:
+        if wake is None:
+            # The wake leaves right after the ADD, so that the chosen engine holds its
+            # request before its peers step (woken first, they could finish an idle wave
+            # before the ADD arrives). It rides on the DispatchAdd until the ADD is sent.
+            mark = len(self._out)
+            wave_actions = self.waves.on_first_request(rank, stamped_wave, now=now)
+            if wave_actions:
+                self._apply_wave_actions(wave_actions, now, cause=f"first request "
+                                         f"{request_id!r}", rank=rank, coordinator_wake=True)
+                wake = tuple(self._out[mark:])
+                del self._out[mark:]
+            else:
+                wake = ()
+        self.loads.note_dispatched(rank)
+        self.dispatched_by_rank[rank] += 1
+        self.requests.add(request_id, rank, identity)
+        self._dispatched += 1
+        reply = Send("frontend", identity,
+                     (fp.encode(fp.Submitted(call_id, request_id, rank, bool(wake))),))
+        self._out.append(DispatchAdd(rank, rank_to_identity(rank), payload, reply, identity,
+                                     call_id, request_id, stamped_wave, wake, tried, explicit))
+
+    def _dispatch_failed(self, add: DispatchAdd, now: float) -> None:
+        """The ADD could not be sent: undo its commit, then the next best rank or a refusal."""
+        rank = add.rank
+        self.requests.forget(add.request_id)
+        self.loads.note_dispatched(rank, -1)
+        self.dispatched_by_rank[rank] -= 1
+        self._dispatched -= 1
+        tried = (*add.tried, rank)
+        if add.explicit:
+            self._send_failed_log("dispatch", add.engine)
+            chosen = None
+        else:
+            # Leases past their TTL are buried by the lease timer; one not yet buried
+            # fails its send here and the next best is tried.
+            candidates = [r for r in self.membership.dispatchable() if r not in tried]
+            chosen = self.policy.pick(self.loads, candidates) if candidates else None
+        if chosen is None:
+            # The wave machine counts this wake as sent, so it is sent: at worst the group
+            # runs one idle wave, where a wake it believes in but never got could leave
+            # the next request's peers unwoken.
+            self._out.extend(add.wake)
+            self._refuse_submit(add.frontend, add.call_id, add.request_id,
+                                dispatch_refusal(tried, explicit=add.explicit))
+            return
+        self._dispatch(add.frontend, add.call_id, add.request_id, add.stamped_wave,
+                       add.payload, chosen, now, tried=tried, explicit=False, wake=add.wake)
+
+    def _refuse_submit(self, identity: bytes, call_id: int, request_id: str,
+                       refusal: Refusal) -> None:
+        self.counters[f"submit.refused.{refusal.code}"] += 1
+        self._reply(identity, fp.ErrorReply(call_id, refusal.code, refusal.message, request_id))
+
+    def _forget(self, request_id: str) -> None:
+        entry = self.requests.forget(request_id)
+        if entry is not None and not self.requests.count(entry.rank):
+            self._maybe_drained(entry.rank)
+
+    def _on_abort(self, identity: bytes, msg: fp.Abort) -> None:
+        by_rank: dict[int, list[str]] = {}
+        for request_id in msg.request_ids:
+            entry = self.requests.get(request_id)
+            if entry is not None:
+                by_rank.setdefault(entry.rank, []).append(request_id)
+                self._forget(request_id)
+        for rank, ids in by_rank.items():
+            self._send("dispatch", rank_to_identity(rank), (vllm.ABORT, vllm.encode_abort(ids)),
+                       SendPurpose.ABORT)
+        routed = [request_id for ids in by_rank.values() for request_id in ids]
+        self._reply(identity, fp.Aborted(msg.call_id, routed))
+
+    def _on_admin(self, identity: bytes, msg: fp.Admin, now: float) -> None:
+        if msg.command == "cordon":
+            result = self.membership.cordon(msg.rank)
+        elif msg.command == "uncordon":
+            result = self.membership.uncordon(msg.rank)
+        else:
+            result = self.membership.drain(msg.rank)
+        if isinstance(result, Refused):
+            self._reply(identity, fp.ErrorReply(msg.call_id, fp.ERR_ADMIN_REFUSED,
+                                                result.message))
+            return
+        self._on_rank_changed(result, now)
+        self._reply(identity, fp.AdminDone(msg.call_id, msg.rank,
+                                           result.new.value if result.new else "absent"))
+        if msg.command == "drain":
+            self._maybe_drained(msg.rank)
+

@@ -1,0 +1,262 @@
+"""Drive a ``CoordinatorCore`` event by event, the way the server does, without sockets.
+
+``Driver`` keeps the server's side of the contract (``coordinator.core.actions``):
+it carries out every action in order into plain lists, reports every send's
+outcome back to the core at once (``SendFailed`` for peers a test made
+unreachable, ``SendSucceeded`` for confirmed sends) and carries out what the
+core answers after the current actions, exactly as ``CoordinatorServer.execute``
+does. Helpers build the events that engines and frontends cause, and decode
+what the core sent back with the protocol package's decoders.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from coordinator.core.actions import (
+    Action,
+    DispatchAdd,
+    Log,
+    Publish,
+    RearmTimer,
+    RefreshObserved,
+    SaveState,
+    Send,
+    SetLinger,
+)
+from coordinator.core.coordinator import CoordinatorCore, CoreConfig
+from coordinator.core.events import (
+    ENGINE_SUBSCRIBED,
+    FRONTEND_SUBSCRIBED,
+    TICK,
+    Bound,
+    EngineGreeted,
+    Event,
+    FrontendRequestReceived,
+    HandshakeReceived,
+    SendFailed,
+    SendSucceeded,
+)
+from coordinator.core.persisted import SavedState
+from coordinator.protocol import frontend as fp
+from coordinator.protocol import vllm
+from coordinator.protocol.identity import rank_to_identity
+
+ADDRESSES = {
+    "handshake": "ipc:///run/h", "dispatch": "ipc:///run/d", "back_output": "ipc:///run/bo",
+    "back_publish": "ipc:///run/bp", "front_publish": "ipc:///run/fp",
+    "frontend": "ipc:///run/fe",
+}
+PARALLEL: dict[str, int | str | list[int]] = {
+    "data_parallel_master_ip": "127.0.0.1", "data_parallel_master_port": 29500,
+    "_data_parallel_master_port_list": [29501], "data_parallel_size": 4,
+}
+
+
+def frontend_identity(index: int) -> bytes:
+    return b"\x00fe-" + bytes([index])
+
+
+@dataclass
+class Driver:
+    """A core plus the record of everything it asked for; see the module docstring."""
+
+    core: CoordinatorCore
+    now: float = 0.0
+    unreachable: set[tuple[str, bytes]] = field(default_factory=set)
+    """(socket, identity) pairs whose sends fail as 'unreachable'."""
+    sends: list[tuple[str, bytes, list[bytes]]] = field(default_factory=list)
+    publishes: list[tuple[str, list[bytes]]] = field(default_factory=list)
+    logs: list[Log] = field(default_factory=list)
+    saves: list[SavedState] = field(default_factory=list)
+    lingers: dict[str, int] = field(default_factory=dict)
+    rearms: int = 0
+    refreshes: int = 0
+    failed_sends: list[SendFailed] = field(default_factory=list)
+    _follow_ups: list[Action] = field(default_factory=list)
+    _calls: int = 0
+
+    @classmethod
+    def start(cls, *, now: float = 0.0, seed: int = 0, **config: Any) -> Driver:
+        settings: dict[str, Any] = {"rank_start": 0, "engines": 2}
+        settings.update(config)
+        core = CoordinatorCore(CoreConfig(**settings), rng=random.Random(seed), now=now)
+        driver = cls(core, now=now)
+        driver.feed(Bound(dict(ADDRESSES), dict(PARALLEL)))
+        return driver
+
+    # ---- the server's side -----------------------------------------------------------------
+
+    def feed(self, event: Event, now: float | None = None) -> Sequence[Action]:
+        """Hand the core one event at ``now`` (default: the driver's clock) and carry out
+        everything that follows; returns the core's direct answer."""
+        if now is not None:
+            self.now = now
+        actions = self.core.handle(event, self.now)
+        self.execute(actions)
+        return actions
+
+    def execute(self, actions: Sequence[Action]) -> None:
+        while actions:
+            for action in actions:
+                self._run(action)
+            if not self._follow_ups:
+                return
+            actions, self._follow_ups = self._follow_ups, []
+
+    def _report(self, event: Event) -> None:
+        if isinstance(event, SendFailed):
+            self.failed_sends.append(event)
+        self._follow_ups.extend(self.core.handle(event, self.now))
+
+    def _run(self, action: Action) -> None:
+        if isinstance(action, Send):
+            if (action.socket, action.identity) in self.unreachable:
+                self._report(SendFailed(action, "unreachable"))
+                return
+            self.sends.append((action.socket, action.identity, list(action.frames)))
+            if action.confirm:
+                self._report(SendSucceeded(action))
+        elif isinstance(action, DispatchAdd):
+            if ("dispatch", action.engine) in self.unreachable:
+                self._report(SendFailed(action, "unreachable"))
+                return
+            self.sends.append(("dispatch", action.engine, [vllm.ADD, *action.payload]))
+            for then in action.wake:
+                self._run(then)
+            self._run(action.reply)
+        elif isinstance(action, Publish):
+            self.publishes.append((action.socket, list(action.frames)))
+        elif isinstance(action, Log):
+            self.logs.append(action)
+        elif isinstance(action, SaveState):
+            self.saves.append(action.state)
+        elif isinstance(action, SetLinger):
+            self.lingers[action.socket] = action.linger_ms
+        elif isinstance(action, RefreshObserved):
+            self.refreshes += 1
+        elif isinstance(action, RearmTimer):
+            self.rearms += 1
+        else:  # pragma: no cover - a new action type must be handled here
+            raise AssertionError(f"unknown action {action!r}")
+
+    # ---- engines ---------------------------------------------------------------------------
+
+    def hello(self, rank: int, engine_id: str | None = None, **fields: Any) -> None:
+        message = vllm.HandshakeMessage("HELLO", engine_id=engine_id, **fields)
+        self.feed(HandshakeReceived(rank_to_identity(rank), rank, message))
+
+    def ready(self, rank: int, config_hash: str | None = None) -> None:
+        message = vllm.HandshakeMessage("READY", parallel_config_hash=config_hash)
+        self.feed(HandshakeReceived(rank_to_identity(rank), rank, message))
+
+    def greet(self, rank: int) -> None:
+        self.feed(EngineGreeted(rank))
+
+    def subscribe(self, times: int = 1) -> None:
+        for _ in range(times):
+            self.feed(ENGINE_SUBSCRIBED)
+
+    def join(self, rank: int, engine_id: str | None = None) -> None:
+        """HELLO, READY and the dispatch greeting of one engine."""
+        self.hello(rank, engine_id)
+        self.ready(rank)
+        self.greet(rank)
+
+    def start_group(self, ranks: Sequence[int]) -> None:
+        """Every rank joins, then subscribes: the gate opens."""
+        for rank in ranks:
+            self.join(rank)
+        self.subscribe(len(ranks))
+
+    def report(self, rank: int, *, wave_complete: int | None = None,
+               start_wave: int | None = None, wave: int | None = None, step: int = 0,
+               waiting: int = 0, running: int = 0, kv: float = 0.0) -> Sequence[Action]:
+        stats = None if wave is None else vllm.SchedulerLoad(
+            num_running_reqs=running, num_waiting_reqs=waiting, step_counter=step,
+            current_wave=wave, kv_cache_usage=kv)
+        return self.feed(vllm.EngineReport(engine_index=rank, scheduler_stats=stats,
+                                           wave_complete=wave_complete, start_wave=start_wave))
+
+    def tick(self, now: float) -> None:
+        self.feed(TICK, now)
+
+    # ---- frontends -------------------------------------------------------------------------
+
+    def request(self, identity: bytes, message: fp.FrontendRequest,
+                payload: Sequence[bytes] = ()) -> list[fp.FrontendReply]:
+        """Send one frontend request; return the replies it caused to that frontend."""
+        before = len(self.sends)
+        self.feed(FrontendRequestReceived(identity, message, list(payload)))
+        return [fp.decode_reply(frames[0]) for socket, ident, frames in self.sends[before:]
+                if socket == "frontend" and ident == identity]
+
+    def call_id(self) -> int:
+        self._calls += 1
+        return self._calls
+
+    def register(self, index: int, *, identity: bytes | None = None,
+                 output: str | None = None) -> fp.FrontendReply:
+        identity = identity if identity is not None else frontend_identity(index)
+        output = output if output is not None else f"ipc:///run/out-{index}"
+        (reply,) = self.request(identity, fp.Register(self.call_id(), index, output))
+        return reply
+
+    def submit(self, request_id: str, *, frontend: int = 0, wave: int = 0,
+               rank: int | None = None, identity: bytes | None = None) -> fp.FrontendReply:
+        identity = identity if identity is not None else frontend_identity(frontend)
+        replies = self.request(identity, fp.Submit(self.call_id(), request_id, wave, rank),
+                               [b"payload:" + request_id.encode()])
+        (reply,) = [r for r in replies if isinstance(r, (fp.Submitted, fp.ErrorReply))]
+        return reply
+
+    def subscribe_frontend(self) -> None:
+        self.feed(FRONTEND_SUBSCRIBED)
+
+    # ---- what the core sent ----------------------------------------------------------------
+
+    def sent_to(self, socket: str, identity: bytes) -> list[list[bytes]]:
+        return [frames for s, ident, frames in self.sends if s == socket and ident == identity]
+
+    def replies(self, identity: bytes) -> list[fp.FrontendReply]:
+        return [fp.decode_reply(frames[0]) for frames in self.sent_to("frontend", identity)]
+
+    def handshake_replies(self, rank: int) -> list[vllm.HandshakeReply]:
+        return [vllm.decode_handshake_reply(frames[0])
+                for frames in self.sent_to("handshake", rank_to_identity(rank))]
+
+    def adds(self, rank: int) -> list[list[bytes]]:
+        """Payloads of the ADDs sent to ``rank``."""
+        return [frames[1:] for frames in self.sent_to("dispatch", rank_to_identity(rank))
+                if frames[0] == vllm.ADD]
+
+    def probes(self, rank: int) -> int:
+        empty = vllm.encode_abort([])
+        return sum(1 for frames in self.sent_to("dispatch", rank_to_identity(rank))
+                   if frames == [vllm.ABORT, empty])
+
+    def back_publish(self) -> list[object]:
+        """What went out on back_publish: "READY" or a decoded (wave, exclude)."""
+        out: list[object] = []
+        for socket, frames in self.publishes:
+            if socket == "back_publish":
+                out.append("READY" if frames == [vllm.READY] else
+                           vllm.decode_start_dp_wave(frames))
+        return out
+
+    def wakes(self) -> list[tuple[int, int | None]]:
+        return [item for item in self.back_publish() if isinstance(item, tuple)]
+
+    def front_publishes(self) -> list[Any]:
+        """Decoded front_publish messages; 2-wide rows are returned undecoded."""
+        out = []
+        for socket, frames in self.publishes:
+            if socket == "front_publish":
+                out.append(vllm.decode_front_publish(frames[0]))
+        return out
+
+    def log_text(self) -> str:
+        return "\n".join(log.message % log.args for log in self.logs)

@@ -1,0 +1,718 @@
+"""The composed core, event by event: every rule the server used to hold, and the glue.
+
+Each test feeds ``CoordinatorCore`` the events the server would (through
+``Driver``, which plays the server's side without sockets) and checks the
+frames, replies and state that follow.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+import pytest
+
+from coordinator.core.actions import NO_ACTIONS, REARM_TIMER, DispatchAdd
+from coordinator.core.events import (
+    DUMP_RECORDER,
+    ENGINE_UNSUBSCRIBED,
+    FRONTEND_UNSUBSCRIBED,
+    BadFrame,
+    FrontendRequestReceived,
+    HandshakeReceived,
+    Restore,
+    Shutdown,
+    StateSaveFailed,
+)
+from coordinator.core.membership import RankState
+from coordinator.protocol import frontend as fp
+from coordinator.protocol import vllm
+from coordinator.protocol.errors import IdentityError, ProtocolError
+from coordinator.protocol.identity import rank_to_identity
+from tests.unit.core_driver import ADDRESSES, PARALLEL, Driver, frontend_identity
+
+F0, F1 = frontend_identity(0), frontend_identity(1)
+
+
+def group(engines: int = 2, **config: object) -> Driver:
+    """A group whose gate opened, with frontend 0 registered."""
+    driver = Driver.start(engines=engines, **config)
+    driver.start_group(range(engines))
+    driver.register(0)
+    return driver
+
+
+def error_code(reply: fp.FrontendReply) -> str:
+    assert isinstance(reply, fp.ErrorReply), reply
+    return reply.code
+
+
+# ---- submit admission ----------------------------------------------------------------------
+
+
+def test_a_submit_goes_to_a_ready_rank_and_is_answered_once() -> None:
+    driver = group()
+    reply = driver.submit("r1")
+    assert isinstance(reply, fp.Submitted) and reply.request_id == "r1"
+    assert driver.adds(reply.rank) == [[b"payload:r1"]]
+    assert driver.replies(F0).count(reply) == 1
+    assert driver.core.requests.count(reply.rank) == 1
+
+
+def test_max_in_flight_refuses_until_a_request_finishes() -> None:
+    driver = group(max_in_flight=2)
+    driver.submit("a")
+    driver.submit("b")
+    refused = driver.submit("c")
+    assert error_code(refused) == fp.ERR_TOO_MANY_IN_FLIGHT
+    assert isinstance(refused, fp.ErrorReply) and refused.request_id == "c"
+    assert refused.message == ("2 requests in flight (frontends must send 'finished' for "
+                               "completed requests)")
+    assert len(driver.core.requests) == 2
+    driver.request(F0, fp.Finished(["a"]))
+    assert isinstance(driver.submit("c"), fp.Submitted)
+    assert driver.core.counter_values()["submit.refused.too_many_in_flight"] == 1
+
+
+def test_duplicate_request_id_is_refused_and_the_first_stays_where_it_went() -> None:
+    driver = group()
+    first = driver.submit("same")
+    assert isinstance(first, fp.Submitted)
+    again = driver.submit("same", frontend=0)
+    assert error_code(again) == fp.ERR_DUPLICATE_REQUEST
+    assert sum(len(driver.adds(rank)) for rank in (0, 1)) == 1
+    entry = driver.core.requests.get("same")
+    assert entry is not None and entry.rank == first.rank
+
+
+def test_shutting_down_refuses_submits_and_says_goodbye() -> None:
+    driver = group()
+    driver.register(1)
+    driver.feed(Shutdown("stopping"))
+    for identity in (F0, F1):
+        assert fp.ShuttingDown("stopping") in driver.replies(identity)
+    assert driver.lingers == {"frontend": 500, "front_publish": 500}
+    assert driver.front_publishes()[-1].counts is not None  # a last full publish
+    assert error_code(driver.submit("late")) == fp.ERR_SHUTTING_DOWN
+    before = len(driver.sends)
+    driver.feed(Shutdown("again"))  # only once
+    assert len(driver.sends) == before
+
+
+@pytest.mark.parametrize(
+    ("rank", "code", "text"),
+    [
+        (7, fp.ERR_UNKNOWN_RANK, "dp_rank=7 is outside 0..2"),
+        (2, fp.ERR_RANK_NOT_READY, "dp_rank=2 cannot take requests (not registered)"),
+        (1, fp.ERR_RANK_NOT_READY, "dp_rank=1 cannot take requests (cordoned)"),
+    ],
+)
+def test_explicit_dp_rank_refusals(rank: int, code: str, text: str) -> None:
+    driver = Driver.start(engines=3)
+    driver.join(0)
+    driver.join(1)  # rank 2 never registers
+    driver.subscribe(3)
+    driver.register(0)
+    driver.request(F0, fp.Admin(driver.call_id(), "cordon", 1))
+    reply = driver.submit("r", rank=rank)
+    assert isinstance(reply, fp.ErrorReply)
+    assert (reply.code, reply.message) == (code, text)
+    assert driver.adds(rank) == [] and len(driver.core.requests) == 0
+
+
+def test_explicit_dp_rank_that_is_unreachable_is_refused_not_moved() -> None:
+    driver = group()
+    driver.unreachable.add(("dispatch", rank_to_identity(1)))
+    reply = driver.submit("r", rank=1)
+    assert isinstance(reply, fp.ErrorReply)
+    assert (reply.code, reply.message) == (fp.ERR_ENGINE_UNREACHABLE,
+                                           "dp_rank=1 is not connected on dispatch")
+    assert driver.adds(0) == [] and len(driver.core.requests) == 0
+    assert "could not send on dispatch" in driver.log_text()
+
+
+def test_a_failed_dispatch_goes_to_the_next_best_rank_and_leaves_no_trace() -> None:
+    driver = group(engines=3)
+    driver.report(0, wave=0, waiting=5)
+    driver.report(2, wave=0, waiting=9)
+    driver.unreachable.add(("dispatch", rank_to_identity(1)))  # the least loaded
+    reply = driver.submit("r")
+    assert isinstance(reply, fp.Submitted) and reply.rank == 0
+    assert [len(driver.adds(rank)) for rank in range(3)] == [1, 0, 0]
+    core = driver.core
+    assert core.requests.per_rank() == {0: 1}
+    assert core.dispatched_by_rank[1] == 0 and core.loads.load(1).dispatched_since_report == 0
+    assert core.counter_values()["submit.dispatched"] == 1
+    assert core.counter_values()["send_dropped.dispatch.unreachable"] == 1
+
+
+def test_all_ranks_unreachable_is_refused_with_what_was_tried_and_the_wake_still_goes() -> None:
+    driver = group()
+    for rank in (0, 1):
+        driver.unreachable.add(("dispatch", rank_to_identity(rank)))
+    reply = driver.submit("r")
+    assert isinstance(reply, fp.ErrorReply) and reply.code == fp.ERR_ENGINE_UNREACHABLE
+    assert reply.message.startswith("no ready engine is connected on dispatch (tried dp_rank [")
+    assert len(driver.core.requests) == 0
+    # The wave machine counted the wake as sent: it is sent, not lost.
+    assert driver.wakes() == [(0, None)]
+
+
+def test_no_dispatchable_rank() -> None:
+    driver = Driver.start(engines=2)
+    driver.register(0)
+    assert error_code(driver.submit("r")) == fp.ERR_NO_READY_ENGINE
+    assert driver.wakes() == []
+
+
+def test_the_first_request_of_a_paused_wave_wakes_everyone_after_its_add() -> None:
+    driver = group()
+    first = driver.submit("r1", wave=0)
+    assert isinstance(first, fp.Submitted) and first.woke
+    assert driver.wakes() == [(0, None)]
+    # ADD first, then the wake: the chosen engine holds its request before peers step.
+    kinds = [("add" if s == "dispatch" else "reply") for s, _, _ in driver.sends[-2:]]
+    assert kinds == ["add", "reply"]
+    second = driver.submit("r2", wave=0)
+    assert isinstance(second, fp.Submitted) and not second.woke
+    assert driver.wakes() == [(0, None)]
+
+
+def test_the_wake_rides_on_the_add_and_follows_a_retry() -> None:
+    driver = group()
+    driver.unreachable.add(("dispatch", rank_to_identity(0)))
+    driver.report(1, wave=0, waiting=3)  # rank 0 is picked first
+    direct = driver.core.handle(FrontendRequestReceived(F0, fp.Submit(99, "r", 0), [b"p"]),
+                                driver.now)
+    (add,) = [a for a in direct if isinstance(a, DispatchAdd)]
+    assert add.rank == 0 and add.wake  # nothing published yet: it waits for the ADD
+    driver.execute(direct)
+    assert driver.adds(1) == [[b"p"]] and driver.wakes() == [(0, None)]
+    reply = driver.replies(F0)[-1]
+    assert isinstance(reply, fp.Submitted) and reply.rank == 1 and reply.woke
+
+
+# ---- frontends -----------------------------------------------------------------------------
+
+
+def test_max_frontends_refuses_new_indices_but_not_known_ones() -> None:
+    driver = Driver.start(engines=1, max_frontends=2)
+    driver.register(0)
+    driver.register(1)
+    refused = driver.register(2)
+    assert isinstance(refused, fp.ErrorReply)
+    assert (refused.code, refused.message) == (fp.ERR_BAD_CLIENT_INDEX,
+                                               "too many frontends registered")
+    assert isinstance(driver.register(1), fp.Registered)
+    assert len(driver.core.frontends) == 2
+
+
+def test_client_index_beyond_expected_frontends_is_refused() -> None:
+    driver = Driver.start(engines=1, frontends=2)
+    refused = driver.register(2)
+    assert isinstance(refused, fp.ErrorReply) and "--frontends 2" in refused.message
+
+
+def test_init_is_held_until_k_frontends_registered() -> None:
+    driver = Driver.start(engines=2, frontends=2)
+    driver.hello(0)
+    driver.hello(1)
+    assert driver.handshake_replies(0) == [] and driver.handshake_replies(1) == []
+    assert "INIT waits until 2 frontends registered (0 so far)" in driver.log_text()
+    driver.register(0)
+    assert driver.handshake_replies(0) == []
+    driver.register(1, output="ipc:///run/second")
+    for rank in (0, 1):
+        (init,) = driver.handshake_replies(rank)
+        assert isinstance(init, vllm.EngineHandshakeMetadata)
+        assert init.addresses.outputs == ["ipc:///run/out-0", "ipc:///run/second"]
+        assert init.addresses.inputs == [ADDRESSES["dispatch"]]
+        assert init.addresses.coordinator_input == ADDRESSES["back_publish"]
+        assert init.parallel_config == PARALLEL
+    # Later HELLOs get their INIT at once.
+    driver.hello(0)
+    assert len(driver.handshake_replies(0)) == 2
+
+
+def test_without_expected_frontends_init_goes_at_once() -> None:
+    driver = Driver.start(engines=1)
+    driver.hello(0, engine_id="e0")
+    (init,) = driver.handshake_replies(0)
+    assert isinstance(init, vllm.EngineHandshakeMetadata) and init.addresses.outputs == []
+    assert driver.core.frontends.inits_sent
+
+
+def test_output_address_is_pinned_once_inits_went_out() -> None:
+    driver = Driver.start(engines=1)
+    driver.register(0, output="ipc:///run/a")
+    assert isinstance(driver.register(0, output="ipc:///run/b"), fp.Registered)  # no INIT yet
+    driver.hello(0)
+    refused = driver.register(0, output="ipc:///run/c")
+    assert isinstance(refused, fp.ErrorReply) and refused.code == fp.ERR_BAD_CLIENT_INDEX
+    assert "registered with outputs at ipc:///run/b, which engines already use" in refused.message
+    peer = driver.core.frontends.get(0)
+    assert peer is not None and peer.output_address == "ipc:///run/b"
+
+
+def test_an_init_that_could_not_be_sent_pins_nothing() -> None:
+    driver = Driver.start(engines=1)
+    driver.unreachable.add(("handshake", rank_to_identity(0)))
+    driver.register(0, output="ipc:///run/a")
+    driver.hello(0)
+    assert not driver.core.frontends.inits_sent
+    assert isinstance(driver.register(0, output="ipc:///run/b"), fp.Registered)
+
+
+def test_a_frontend_that_reconnects_gets_its_requests_failure_notices() -> None:
+    driver = group(lease_ttl_s=3.0)
+    reply = driver.submit("r1")
+    assert isinstance(reply, fp.Submitted)
+    new = b"\x00fe-new"
+    assert isinstance(driver.register(0, identity=new), fp.Registered)
+    assert "1 in-flight requests now report to it" in driver.log_text()
+    driver.unreachable.add(("dispatch", rank_to_identity(reply.rank)))
+    driver.tick(1.0)  # the quiet engine's probe fails: it is gone
+    failed = [r for r in driver.replies(new) if isinstance(r, fp.RequestsFailed)]
+    assert failed and failed[0].request_ids == ["r1"]
+    assert not [r for r in driver.replies(F0) if isinstance(r, fp.RequestsFailed)]
+
+
+def test_registered_reply_carries_the_group() -> None:
+    driver = Driver.start(engines=3, rank_start=2, lockstep=False)
+    reply = driver.register(0)
+    assert reply == fp.Registered(reply.call_id, 0, 2, 3, 0, False, False)  # type: ignore[union-attr]
+
+
+# ---- dead ranks, drains, aborts ------------------------------------------------------------
+
+
+def test_a_dead_ranks_requests_fail_to_the_frontend_that_sent_each() -> None:
+    driver = group(engines=1)
+    driver.register(1)
+    driver.submit("a", frontend=0)
+    driver.submit("b", frontend=1)
+    driver.submit("c", frontend=0)
+    driver.unreachable.add(("dispatch", rank_to_identity(0)))
+    driver.tick(driver.core.config.lease_ttl_s)  # quiet: probed, and the probe fails
+    notices0 = [r for r in driver.replies(F0) if isinstance(r, fp.RequestsFailed)]
+    notices1 = [r for r in driver.replies(F1) if isinstance(r, fp.RequestsFailed)]
+    assert [n.request_ids for n in notices0] == [["a", "c"]]
+    assert [n.request_ids for n in notices1] == [["b"]]
+    assert notices0[0].rank == 0 and notices0[0].reason.startswith("engine disconnected")
+    assert driver.core.membership.lease(0).state is RankState.DEAD  # type: ignore[union-attr]
+    assert len(driver.core.requests) == 0
+    counters = driver.core.counter_values()
+    assert counters["requests.failed"] == 3 and counters["lease.dead"] == 1
+
+
+def test_drain_notice_comes_when_the_last_request_finishes() -> None:
+    driver = group(engines=2)
+    driver.register(1)
+    first = driver.submit("a")
+    assert isinstance(first, fp.Submitted)
+    rank = first.rank
+    (done,) = driver.request(F0, fp.Admin(driver.call_id(), "drain", rank))
+    assert isinstance(done, fp.AdminDone) and done.state == "draining"
+    assert fp.RankDrained(rank) not in driver.replies(F1)
+    assert driver.submit("b", rank=rank).code == fp.ERR_RANK_NOT_READY  # type: ignore[union-attr]
+    driver.request(F0, fp.Finished(["a"]))
+    assert fp.RankDrained(rank) in driver.replies(F0)
+    assert fp.RankDrained(rank) in driver.replies(F1)
+
+
+def test_draining_an_idle_rank_is_announced_at_once() -> None:
+    driver = group()
+    driver.request(F0, fp.Admin(driver.call_id(), "drain", 1))
+    assert fp.RankDrained(1) in driver.replies(F0)
+
+
+def test_refused_admin_command_changes_nothing() -> None:
+    driver = group()
+    (reply,) = driver.request(F0, fp.Admin(driver.call_id(), "uncordon", 0))
+    assert isinstance(reply, fp.ErrorReply) and reply.code == fp.ERR_ADMIN_REFUSED
+    assert driver.core.membership.dispatchable() == [0, 1]
+
+
+def test_abort_goes_to_the_engine_holding_each_request() -> None:
+    driver = group()
+    a = driver.submit("a", rank=0)
+    b = driver.submit("b", rank=1)
+    assert isinstance(a, fp.Submitted) and isinstance(b, fp.Submitted)
+    (reply,) = driver.request(F0, fp.Abort(driver.call_id(), ["a", "b", "unknown"]))
+    assert isinstance(reply, fp.Aborted) and sorted(reply.request_ids) == ["a", "b"]
+    for rank, rid in ((0, "a"), (1, "b")):
+        aborts = [f for f in driver.sent_to("dispatch", rank_to_identity(rank))
+                  if f[0] == vllm.ABORT]
+        assert [vllm.decode_abort(f[1]) for f in aborts] == [[rid]]
+    assert len(driver.core.requests) == 0
+
+
+def test_state_query_reply() -> None:
+    driver = group()
+    driver.submit("a", rank=1)
+    (reply,) = driver.request(F0, fp.QueryState(driver.call_id()))
+    assert isinstance(reply, fp.StateReply)
+    state = reply.state
+    assert (state.rank_count, state.frontends, state.in_flight) == (2, 1, 1)
+    assert [e.state for e in state.engines] == ["ready", "ready"]
+    assert state.engines[1].in_flight == 1 and state.counters["submit.dispatched"] == 1
+
+
+# ---- the start-up gate and the held wake ---------------------------------------------------
+
+
+def test_a_wake_decided_before_the_gate_opens_goes_out_right_after_ready() -> None:
+    driver = Driver.start(engines=2)
+    driver.join(0)
+    driver.join(1)
+    driver.register(0)
+    reply = driver.submit("early", wave=0)
+    assert isinstance(reply, fp.Submitted) and reply.woke
+    assert driver.back_publish() == []  # nothing but READY may come first
+    assert driver.core.counter_values()["waves.start_held_for_gate"] == 1
+    driver.subscribe()
+    assert driver.back_publish() == []
+    driver.subscribe()
+    assert driver.back_publish() == ["READY", (0, None)]
+    driver.subscribe()  # a late engine gets its own READY, and no wake
+    assert driver.back_publish() == ["READY", (0, None), "READY"]
+
+
+def test_the_gate_starts_full_publishes() -> None:
+    driver = Driver.start(engines=1, first_publish_delay_s=0.05)
+    driver.join(0)
+    assert driver.core.next_deadline() == pytest.approx(0.25)  # lease and observe timers only
+    driver.tick(0.1)
+    assert driver.front_publishes() == []
+    driver.subscribe()
+    assert driver.rearms >= 1
+    assert driver.core.next_deadline() == pytest.approx(0.15)
+    driver.tick(driver.core.next_deadline())
+    (publish,) = driver.front_publishes()
+    assert publish.counts == [(0, 0, 0.0)] and publish.wave == 0
+
+
+# ---- engine reports and publishing ---------------------------------------------------------
+
+
+def test_an_unchanged_stats_stream_costs_no_actions() -> None:
+    driver = group()
+    driver.tick(1.0)  # publishes what changed so far
+    assert list(driver.report(0, wave=0, step=1)) == [REARM_TIMER]  # the table changed
+    assert driver.report(0, wave=0, step=2) is NO_ACTIONS
+    assert driver.report(1, wave=0, step=2) is NO_ACTIONS
+    assert driver.core.counter_values()["stats.reports"] == 3
+
+
+def test_stats_publish_within_the_interval_and_heartbeat_when_idle() -> None:
+    driver = group(publish_interval_s=0.1, heartbeat_s=5.0)
+    driver.tick(0.3)
+    count = len(driver.front_publishes())
+    driver.report(1, wave=0, step=1, waiting=4, running=2, kv=0.5)
+    assert driver.core.next_deadline() <= 0.4 + 1e-9
+    driver.tick(0.4)
+    latest = driver.front_publishes()[-1]
+    assert latest.counts == [(0, 0, 0.0), (4, 2, 0.5)]
+    assert len(driver.front_publishes()) == count + 1
+    driver.tick(2.0)
+    assert len(driver.front_publishes()) == count + 1  # nothing changed: no publish yet
+    driver.tick(5.4)
+    assert len(driver.front_publishes()) == count + 2  # the heartbeat
+
+
+def test_a_new_frontend_subscriber_gets_a_full_publish_soon() -> None:
+    driver = group()
+    driver.tick(0.3)
+    count = len(driver.front_publishes())
+    driver.subscribe_frontend()
+    driver.tick(0.45)
+    assert len(driver.front_publishes()) == count + 1
+    assert driver.core.counter_values()["front.subscriptions"] == 1
+
+
+def test_reports_out_of_range_are_dropped_and_counted() -> None:
+    driver = group()
+    driver.report(5, wave=3)
+    assert driver.core.counter_values()["dropped.back_output.rank_out_of_range"] == 1
+    assert driver.core.waves.current_wave == 0
+
+
+def test_a_stale_report_is_counted_and_still_applied() -> None:
+    driver = group()
+    driver.report(0, wave=1, step=5, waiting=1)
+    driver.report(0, wave=1, step=2, waiting=7)
+    assert driver.core.counter_values()["stats.stale"] == 1
+    assert driver.core.loads.load(0).waiting == 7
+
+
+def test_wave_reports_relay_and_publish() -> None:
+    driver = group()
+    driver.report(1, start_wave=0)
+    assert driver.wakes() == [(0, 1)]  # relayed, excluding the sender
+    assert driver.core.waves.snapshot() == (0, True)
+    driver.report(0, wave_complete=0)
+    assert driver.core.waves.snapshot() == (1, False)
+    assert [(p.wave, p.running) for p in driver.front_publishes() if p.counts is None] == [
+        (0, True), (1, False)]
+
+
+def test_legacy_first_requests_are_honoured_only_in_legacy_mode() -> None:
+    modern = group()
+    modern.feed(vllm.LegacyFirstRequest(0, 0))
+    assert modern.wakes() == []
+    assert modern.core.counter_values()["dropped.front_publish.legacy_first_request"] == 1
+    legacy = group(legacy_frontends=True)
+    legacy.feed(vllm.LegacyFirstRequest(9, 0))
+    assert legacy.core.counter_values()["dropped.front_publish.rank_out_of_range"] == 1
+    legacy.feed(vllm.LegacyFirstRequest(1, 0))
+    assert legacy.wakes() == [(0, None)]
+    legacy.tick(1.0)
+    assert legacy.publishes[-1][0] == "front_publish"
+    # 2-wide rows for older frontends.
+    rows, wave, running = msgspec.msgpack.decode(legacy.publishes[-1][1][0])
+    assert rows == [[0, 0], [0, 0]] and (wave, running) == (0, False)
+
+
+# ---- elastic resize ------------------------------------------------------------------------
+
+
+def test_resize_shrinks_and_grows_the_group_without_touching_the_settings() -> None:
+    driver = group(engines=3)
+    driver.submit("on-2", rank=2)
+    driver.feed(vllm.ScaleElasticEP(2))
+    core = driver.core
+    assert core.rank_range == range(0, 2) and core.config.engines == 3
+    assert core.membership.lease(2) is None and core.loads.size == 2
+    failed = [r for r in driver.replies(F0) if isinstance(r, fp.RequestsFailed)]
+    assert failed and failed[0].request_ids == ["on-2"]
+    assert core.gate.expected == 2
+    registered = driver.register(1)
+    assert isinstance(registered, fp.Registered) and registered.rank_count == 2
+    driver.feed(vllm.ScaleElasticEP(4))
+    assert core.rank_range == range(0, 4) and core.loads.size == 4
+    driver.tick(1.0)
+    assert len(driver.front_publishes()[-1].counts) == 4
+
+
+def test_a_resize_that_leaves_no_rank_is_dropped() -> None:
+    driver = group(engines=2, rank_start=2)
+    driver.feed(vllm.ScaleElasticEP(2))
+    assert driver.core.rank_range == range(2, 4)
+    assert driver.core.counter_values()["dropped.front_publish.bad_value"] == 1
+
+
+# ---- handshakes ----------------------------------------------------------------------------
+
+
+def test_a_second_engine_id_for_a_live_rank_probes_the_holder_first() -> None:
+    driver = group()
+    driver.hello(1, engine_id="intruder")
+    assert driver.probes(1) == 1
+    (refusal,) = [r for r in driver.handshake_replies(1) if isinstance(r, vllm.HandshakeError)]
+    assert refusal.reason.startswith("Engine ID mismatch for dp_rank=1")
+    assert driver.core.counter_values()["refused.handshake.engine_id_mismatch"] == 1
+
+
+def test_a_holder_whose_connection_is_gone_is_replaced_at_once() -> None:
+    driver = group()
+    driver.submit("held", rank=1)
+    driver.unreachable.add(("dispatch", rank_to_identity(1)))
+    driver.hello(1, engine_id="successor")
+    lease = driver.core.membership.lease(1)
+    assert lease is not None and lease.engine_id == "successor" and lease.incarnation == 2
+    assert isinstance(driver.handshake_replies(1)[-1], vllm.EngineHandshakeMetadata)
+    failed = [r for r in driver.replies(F0) if isinstance(r, fp.RequestsFailed)]
+    assert failed[0].request_ids == ["held"]
+    counters = driver.core.counter_values()
+    assert counters["handshake.replaced"] == 1 and counters["lease.dead"] == 1
+
+
+def test_bad_handshake_input_is_refused_with_the_users_message() -> None:
+    driver = Driver.start(engines=2)
+    error = IdentityError("coordinator requires a Python-compatible two-byte engine id, "
+                          "got b'abc'")
+    driver.feed(BadFrame("handshake", error, identity=b"abc", frame_count=2))
+    (frames,) = driver.sent_to("handshake", b"abc")
+    reply = vllm.decode_handshake_reply(frames[0])
+    assert isinstance(reply, vllm.HandshakeError) and reply.reason == error.message
+    assert driver.core.counter_values()["refused.handshake.identity_length"] == 1
+    driver.feed(BadFrame("handshake", ProtocolError("nope", reason="decode"),
+                         identity=b"\x01\x00", rank=1, frame_count=2))
+    (reply,) = driver.handshake_replies(1)
+    assert reply.reason == "bad handshake payload from dp_rank=1: nope"  # type: ignore[union-attr]
+    driver.feed(BadFrame("handshake", ProtocolError("3 frames", reason="frame_count"),
+                         identity=b"\x01\x00", frame_count=3))
+    assert driver.handshake_replies(1)[-1] == vllm.HandshakeError(
+        "expected exactly one payload frame")
+    driver.feed(HandshakeReceived(b"\x01\x00", 1, vllm.HandshakeMessage("HOWDY")))
+    assert "expected HELLO or READY" in driver.handshake_replies(1)[-1].reason  # type: ignore[union-attr]
+    assert driver.core.membership.leases() == []
+
+
+def test_a_bad_frontend_header_gets_an_error_reply_with_its_call_id() -> None:
+    driver = Driver.start(engines=1)
+    driver.feed(BadFrame("frontend", ProtocolError("bad", reason="decode"), identity=F0,
+                         frame_count=2, call_id=41))
+    assert driver.replies(F0) == [fp.ErrorReply(41, fp.ERR_BAD_FRAME, "bad")]
+    driver.feed(BadFrame("frontend", ProtocolError("1 frame", reason="frame_count"),
+                         identity=F0, frame_count=1))
+    assert len(driver.replies(F0)) == 1
+    assert driver.core.counter_values()["dropped.frontend.decode"] == 1
+    assert any(log.key == "frontend:decode:" and log.level == logging.WARNING
+               for log in driver.logs)
+
+
+def test_a_greeting_without_a_handshake_here_is_counted_not_used() -> None:
+    driver = Driver.start(engines=2)
+    driver.greet(1)
+    driver.greet(9)
+    counters = driver.core.counter_values()
+    assert counters["dispatch.unregistered_greeting"] == 1
+    assert counters["dropped.dispatch.rank_out_of_range"] == 1
+    assert driver.core.membership.dispatchable() == []
+
+
+# ---- liveness ------------------------------------------------------------------------------
+
+
+def test_quiet_engines_are_probed_and_an_answer_renews_the_lease() -> None:
+    driver = group(lease_ttl_s=3.0)
+    driver.tick(1.0)  # quiet for 1 s = ttl/3: probed
+    assert driver.probes(0) == 1 and driver.probes(1) == 1
+    driver.tick(2.5)
+    driver.tick(3.9)  # past the original ttl, but the probes renewed the leases
+    assert driver.core.membership.dispatchable(now=3.9) == [0, 1]
+    assert driver.core.counter_values()["lease.probes"] >= 4
+
+
+def test_a_lease_that_cannot_be_probed_expires_with_its_ttl() -> None:
+    driver = Driver.start(engines=2, lease_ttl_s=3.0)
+    driver.hello(0)
+    driver.ready(0)  # never greeted on dispatch: nothing to probe it on
+    driver.tick(2.0)
+    assert driver.probes(0) == 0
+    driver.tick(3.5)
+    assert driver.core.membership.lease(0).state is RankState.DEAD  # type: ignore[union-attr]
+    assert "lease expired" in driver.log_text()
+
+
+# ---- the watchdog --------------------------------------------------------------------------
+
+
+def test_the_watchdog_alerts_and_rewakes_a_silent_running_group() -> None:
+    driver = group(watchdog_stall_s=2.0)
+    driver.report(0, start_wave=0)
+    assert driver.core.waves.running
+    wakes = len(driver.wakes())
+    driver.tick(0.3)
+    driver.tick(2.5)
+    assert driver.core.counter_values()["watchdog.no_progress"] == 1
+    assert driver.wakes()[wakes:] == [(0, None)]
+    assert "WATCHDOG:" in driver.log_text() and "flight recorder" in driver.log_text()
+
+
+# ---- state file ----------------------------------------------------------------------------
+
+
+def test_what_a_restart_needs_is_saved_once_per_event_and_restores() -> None:
+    driver = group(persist=True)
+    saves = len(driver.saves)
+    driver.report(1, start_wave=0)
+    driver.report(0, wave_complete=0)
+    assert len(driver.saves) == saves + 2
+    saved = driver.saves[-1]
+    assert saved.wave == 1 and saved.gate_open and saved.inits_sent
+    assert [lease.rank for lease in saved.leases] == [0, 1]
+    assert [f.client_index for f in saved.frontends] == [0]
+    driver.report(0, wave=1, step=3)
+    assert len(driver.saves) == saves + 2  # stats are not saved
+
+    again = Driver.start(engines=2, persist=True, now=100.0)
+    again.feed(Restore(saved, "/state.json"))
+    core = again.core
+    assert core.waves.current_wave == 1 and core.gate.is_open
+    assert core.membership.dispatchable() == [0, 1] and core.frontends.inits_sent
+    assert core.saved_state() == saved
+    assert "restored from /state.json: wave 1, 2 registrations" in again.log_text()
+
+
+def test_restore_warns_when_the_addresses_moved() -> None:
+    driver = group(persist=True)
+    saved = driver.core.saved_state()
+    moved = Driver.start(engines=2)
+    moved.core.addresses["dispatch"] = "ipc:///elsewhere"
+    moved.feed(Restore(saved, "/s"))
+    assert "bound elsewhere (dispatch)" in moved.log_text()
+
+
+def test_a_failed_write_is_counted_and_retried_a_second_later() -> None:
+    driver = group(persist=True)
+    driver.feed(StateSaveFailed("/s", "disk full"), now=1.0)
+    assert driver.core.counter_values()["state_file.write_errors"] == 1
+    saves = len(driver.saves)
+    assert driver.core.next_deadline() <= 2.0
+    driver.tick(2.0)
+    assert len(driver.saves) == saves + 1
+
+
+def test_without_a_state_file_nothing_is_saved() -> None:
+    driver = group()
+    driver.report(1, start_wave=0)
+    assert driver.saves == []
+
+
+# ---- operator ------------------------------------------------------------------------------
+
+
+def test_dump_recorder_logs_every_event() -> None:
+    driver = group()
+    driver.feed(DUMP_RECORDER)
+    text = driver.log_text()
+    assert text.count("hello accepted") == 2 and "flight recorder: last" in text
+
+
+def test_counters_kept_outside_the_core_are_merged_into_every_view() -> None:
+    driver = group()
+    driver.core.extra_counters = lambda: {"refused.curve.unknown_key": 3}
+    assert driver.core.counter_values()["refused.curve.unknown_key"] == 3
+    (reply,) = driver.request(F0, fp.QueryState(driver.call_id()))
+    assert isinstance(reply, fp.StateReply)
+    assert reply.state.counters["refused.curve.unknown_key"] == 3
+
+
+def test_the_stats_entry_point_is_handle_without_the_lookup() -> None:
+    driver = group()
+    report = vllm.EngineReport(engine_index=1, start_wave=0)
+    actions = driver.core.on_engine_report(report, driver.now)
+    driver.execute(actions)
+    assert driver.wakes() == [(0, 1)] and driver.core.waves.running
+
+
+def test_a_saved_registration_the_range_no_longer_has_is_skipped_with_a_warning() -> None:
+    driver = group(engines=3, persist=True)
+    saved = driver.core.saved_state()
+    smaller = Driver.start(engines=2)
+    smaller.feed(Restore(saved, "/s"))
+    assert [lease.rank for lease in smaller.core.membership.leases()] == [0, 1]
+    assert "state file: dp_rank=2 is outside" in smaller.log_text()
+
+
+def test_bad_frames_without_a_peer_to_answer_are_only_dropped() -> None:
+    driver = group()
+    sends = len(driver.sends)
+    driver.feed(BadFrame("back_output", ProtocolError("junk", reason="decode")))
+    driver.feed(BadFrame("dispatch", ProtocolError("1 frame", reason="frame_count"),
+                         frame_count=1))
+    assert len(driver.sends) == sends
+    counters = driver.core.counter_values()
+    assert counters["dropped.back_output.decode"] == 1
+    assert counters["dropped.dispatch.frame_count"] == 1
+
+
+def test_the_last_engine_subscriber_leaving_changes_nothing() -> None:
+    driver = group()
+    before = driver.core.saved_state()
+    driver.feed(ENGINE_UNSUBSCRIBED)
+    driver.feed(FRONTEND_UNSUBSCRIBED)
+    assert driver.core.saved_state() == before and driver.core.gate.is_open
+    assert "the last engine subscriber left back_publish" in driver.log_text()
