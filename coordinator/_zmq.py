@@ -395,8 +395,8 @@ def describe_handshake_failure(
         if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
             return HandshakeFailure(
                 CURVE_NOT_OFFERED,
-                f"we use CURVE keys but the coordinator at {address} has none (it runs "
-                "without --curve-secret-key): connect without keys, or start the "
+                f"we use CURVE keys but the coordinator at {address} has no CURVE keys (it "
+                "runs without --curve-secret-key): connect without keys, or start the "
                 "coordinator with --curve-secret-key and --curve-clients-dir",
                 final=True)
         return HandshakeFailure(
@@ -405,17 +405,23 @@ def describe_handshake_failure(
             f"({_protocol_error_name(value)}, {value:#x}); is that a dp-coordinator socket?",
             final=True)
     if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+        # The server closed first. It does so when it cannot read our CURVE hello (a
+        # wrong server key), and also, racing its own greeting, when the mechanisms
+        # differ; libzmq retries, and a mismatch is named once a retry sees it.
         if curve:
             return HandshakeFailure(
                 CURVE_DROPPED,
                 f"the coordinator at {address} closed the connection during the CURVE "
                 "handshake: the server key file given (--curve-server-key, "
-                "curve_server_key=) is most likely not this coordinator's public key",
+                "curve_server_key=) is most likely not this coordinator's public key, "
+                "or the coordinator has no CURVE keys",
                 final=False)
+        maybe_curve = (f"it most likely requires CURVE keys ({_KEY_OPTIONS}), or "
+                       if CurveClientKeys.applies_to(address) else "")
         return HandshakeFailure(
             HANDSHAKE_DROPPED,
-            f"the peer at {address} closed the connection during the ZMTP handshake; "
-            "is it a dp-coordinator socket, and is it still running?",
+            f"the peer at {address} closed the connection during the ZMTP handshake: "
+            f"{maybe_curve}it is not a dp-coordinator socket, or it is stopping",
             final=False)
     return None
 

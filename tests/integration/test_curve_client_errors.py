@@ -35,7 +35,7 @@ PATIENT_S = 20.0
 
 REFUSED = "refused our CURVE key"
 REQUIRED = "requires CURVE keys"
-HAS_NONE = "has none"
+HAS_NONE = "has no CURVE keys"
 WRONG_SERVER_KEY = "most likely not this coordinator's public key"
 
 
@@ -233,6 +233,23 @@ async def test_a_client_with_keys_is_told_the_coordinator_has_none(
     assert code == 1 and HAS_NONE in err and took < PATIENT_S, err
 
 
+async def test_a_short_wait_still_names_the_mismatch(
+    coordinator: CoordinatorFactory, keys: Keys, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The server may close the connection before the client has read its greeting, and
+    libzmq then retries; a wait that ends before a retry saw the mismatch still says
+    which one it most likely is."""
+    with_curve = curve_coordinator(coordinator, keys)
+    plain = coordinator(1, transport="tcp")
+    for handle, options, words in (
+            (with_curve, [], REQUIRED),
+            (plain, key_options(keys.client_secret, keys.server_public), HAS_NONE)):
+        for _ in range(3):
+            code, err, _ = run_cli(capsys, ["status", "--addr-file", handle.addr_file,
+                                            "--timeout", "0.3", *options])
+            assert code == 1 and words in err and "did not answer" not in err, err
+
+
 # ---- the wrong server key ------------------------------------------------------------------
 
 
@@ -304,3 +321,11 @@ def test_other_events_are_not_failures() -> None:
     assert "cryptographic" in _zmq.describe_handshake_failure(
         zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC,
         address="a", curve=True).message  # type: ignore[union-attr]
+
+
+def test_a_dropped_handshake_suggests_curve_only_where_curve_can_be() -> None:
+    dropped = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    over_tcp = _zmq.describe_handshake_failure(dropped, 104, address="tcp://h:1", curve=False)
+    over_ipc = _zmq.describe_handshake_failure(dropped, 104, address="ipc:///x", curve=False)
+    assert over_tcp is not None and REQUIRED in over_tcp.message
+    assert over_ipc is not None and "CURVE" not in over_ipc.message
