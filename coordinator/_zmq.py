@@ -47,10 +47,11 @@ handshake ended, and `HandshakeMonitor` turns that into a sentence
 (`describe_handshake_failure`): the coordinator refused our CURVE key (the ZAP
 handler's status 400), it requires CURVE keys we did not give, it has no keys
 while we use some (both a mechanism mismatch), or it closed the connection in
-the middle of the CURVE handshake (most often a server key file that is not
-this coordinator's public key). After a refused key or a mechanism mismatch
-libzmq does not reconnect, so no later answer can come (`HandshakeFailure.final`);
-a dropped handshake is retried.
+the middle of the handshake (a server key file that is not this coordinator's
+public key; or a mechanism mismatch the server noticed before we read its
+greeting). After a refused key or a mechanism mismatch libzmq does not
+reconnect, so no later answer can come (`HandshakeFailure.final`); a dropped
+handshake is retried, and the retry that sees a mismatch names it.
 """
 
 from __future__ import annotations
