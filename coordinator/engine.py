@@ -150,11 +150,20 @@ class EngineStartupError(RuntimeError):
 
 
 class EngineStartupTimeout(EngineStartupError):
-    """A startup step got no answer in time; `stage` says which one."""
+    """A startup step got no answer in time; `stage` says which one.
 
-    def __init__(self, stage: str, message: str) -> None:
+    `handshake_failure`: why the last handshake with the coordinator failed, if
+    one did (a server key that is not the coordinator's, most often); the
+    message ends with it.
+    """
+
+    def __init__(self, stage: str, message: str,
+                 handshake_failure: HandshakeFailure | None = None) -> None:
+        if handshake_failure is not None:
+            message = f"{message} Its last handshake failed: {handshake_failure.message}"
         super().__init__(message)
         self.stage = stage
+        self.handshake_failure = handshake_failure
 
 
 class EngineHandshakeFailed(EngineStartupError):
@@ -471,6 +480,7 @@ class EngineAgent:
                 stage,
                 f"rank {self.rank}: no {what} from {self.handshake_address} within "
                 f"{timeout_s:g} s; is the coordinator running and reachable there?",
+                self._handshake_failure(),
             )
         frames = await sock.recv_multipart()
         if len(frames) != 1:
@@ -505,7 +515,8 @@ class EngineAgent:
                     f"rank {self.rank}: no READY from the coordinator on "
                     f"{addresses.coordinator_input} within {self.ready_timeout_s:g} s; the "
                     f"coordinator releases engines only once {group} of the group have "
-                    f"subscribed there, so check that the other engines are running",
+                    f"subscribed there, so check that the other engines are running.",
+                    self._handshake_failure(),
                 )
             frames = await sock.recv_multipart()
             if frames and frames[0] == READY:
@@ -520,7 +531,7 @@ class EngineAgent:
         """Wait up to `timeout_s` for a message on `sock`; False when none came.
 
         Raises EngineHandshakeFailed as soon as a connection to the coordinator
-        failed for good, and at the timeout if its last handshake failed.
+        failed for good.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
@@ -533,18 +544,18 @@ class EngineAgent:
             ready = {}
             if remaining > 0:
                 ready = dict(await poller.poll(max(1, int(remaining * 1000))))
-            self._raise_on_handshake_failure(stage, final_only=True)
+            failure = self._handshake_failure()
+            if failure is not None and failure.final:
+                raise EngineHandshakeFailed(stage, failure, self.rank)
             if sock in ready:
                 return True
             if not ready:
-                self._raise_on_handshake_failure(stage, final_only=False)
                 return False
 
-    def _raise_on_handshake_failure(self, stage: str, *, final_only: bool) -> None:
-        for monitor in self._handshake_monitors:
-            failure = monitor.poll()
-            if failure is not None and (failure.final or not final_only):
-                raise EngineHandshakeFailed(stage, failure, self.rank)
+    def _handshake_failure(self) -> HandshakeFailure | None:
+        """The first failure of the start-up sockets' latest handshakes (final ones first)."""
+        failures = [f for m in self._handshake_monitors if (f := m.poll()) is not None]
+        return min(failures, key=lambda f: not f.final, default=None)
 
     def _close_handshake_monitors(self) -> None:
         monitors, self._handshake_monitors = self._handshake_monitors, []

@@ -34,11 +34,9 @@ reported to the user and, in batches, to the coordinator with `Finished`, which
 frees the coordinator's routing entry for each.
 
 Every wait is bounded: each call takes a `timeout` (default `call_timeout_s`) and
-raises `CoordinatorTimeout` when the coordinator does not answer in time. When
-the coordinator refuses our CURVE key, requires keys we lack or has none while we
-use some, calls raise `HandshakeFailed` with that reason at once (a socket monitor
-sees it; libzmq gives such a connection up); a dropped CURVE handshake (a wrong
-server key) is named when the call times out.
+raises `CoordinatorTimeout` when the coordinator does not answer in time (naming a
+failed handshake, such as a wrong server key, if there was one). A refused CURVE
+key, or keys on one side only, raises `HandshakeFailed` at once instead.
 """
 
 from __future__ import annotations
@@ -112,12 +110,15 @@ class FrontendClosed(FrontendError):
 
 
 class CoordinatorTimeout(FrontendError, TimeoutError):
-    """The coordinator did not answer within the call's timeout."""
+    """No answer within the call's timeout; `handshake_failure` says why, if a handshake failed."""
 
-    def __init__(self, what: str, timeout_s: float) -> None:
-        super().__init__(f"no answer from the coordinator to {what} within {timeout_s:g} s")
+    def __init__(self, what: str, timeout_s: float,
+                 handshake_failure: HandshakeFailure | None = None) -> None:
+        why = f": {handshake_failure.message}" if handshake_failure is not None else ""
+        super().__init__(f"no answer from the coordinator to {what} within {timeout_s:g} s{why}")
         self.what = what
         self.timeout_s = timeout_s
+        self.handshake_failure = handshake_failure
 
 
 class HandshakeFailed(FrontendError, ConnectionError):
@@ -513,8 +514,8 @@ class FrontendClient:
                 reply = await asyncio.wait_for(future, max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
                 self.stats["timeouts"] += 1
-                self._raise_if_refused(self._dealer_handshakes, final_only=False)
-                raise CoordinatorTimeout(what, limit) from None
+                raise CoordinatorTimeout(what, limit, _failure(self._dealer_handshakes)) \
+                    from None
         finally:
             self._pending.pop(call_id, None)
         if isinstance(reply, fp.ErrorReply):
@@ -532,8 +533,8 @@ class FrontendClient:
             self._raise_if_refused(self._sub_handshakes)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                self._raise_if_refused(self._sub_handshakes, final_only=False)
-                raise CoordinatorTimeout("a publish matching the condition", limit)
+                raise CoordinatorTimeout("a publish matching the condition", limit,
+                                         _failure(self._sub_handshakes))
             self._publish_seen.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._publish_seen.wait(), remaining)
@@ -590,9 +591,9 @@ class FrontendClient:
     # ------------------------------------------------------------ handshakes
 
     @staticmethod
-    def _raise_if_refused(monitor: HandshakeMonitor | None, *, final_only: bool = True) -> None:
-        failure = monitor.poll() if monitor is not None else None
-        if failure is not None and (failure.final or not final_only):
+    def _raise_if_refused(monitor: HandshakeMonitor | None) -> None:
+        failure = _failure(monitor)
+        if failure is not None and failure.final:
             raise HandshakeFailed(failure)
 
     async def _handshake_loop(self) -> None:
@@ -764,6 +765,10 @@ class FrontendClient:
                 self.on_publish(self)
             except Exception:
                 log.exception("on_publish callback failed")
+
+
+def _failure(monitor: HandshakeMonitor | None) -> HandshakeFailure | None:
+    return monitor.poll() if monitor is not None else None
 
 
 def _abort_builder(request_ids: list[str]) -> Callable[[int], list[bytes]]:
