@@ -1,7 +1,7 @@
 """ADD payloads encoded from vLLM 0.33's own `EngineCoreRequest` and `LoRARequest`.
 
 Both structs come unmodified from the pinned wheel (`vllm/v1/engine/__init__.py`
-and `vllm/lora/request.py`, see `tests/compat/vllm_source.py`), so the field
+and `vllm/lora/request.py`, through `tools/vllm_wheel.py`), so the field
 positions the decoder relies on are vLLM's. Their other imports are stand-ins:
 torch, numpy and the config classes only appear in annotations, and the two
 multimodal dataclasses are rebuilt with vLLM's field names and order (the
@@ -25,7 +25,7 @@ from coordinator.protocol.engine_request import (
     PlaceholderRange,
     decode_add_request,
 )
-from tests.compat.vllm_source import load_vllm_module
+from tools import vllm_wheel
 
 
 @dataclass(frozen=True)
@@ -57,33 +57,37 @@ def _placeholder(name: str) -> type:
     return type(name, (), {})
 
 
+# What vLLM's engine package imports from the rest of vLLM (and torch, numpy).
+ENGINE_STAND_INS: dict[str, dict[str, Any]] = {
+    "numpy": {"ndarray": _placeholder("ndarray")},
+    "torch": {"Tensor": _placeholder("Tensor")},
+    "vllm.config.kv_events": {"KVEventsConfig": _placeholder("KVEventsConfig")},
+    "vllm.multimodal.inputs": {"MultiModalFeatureSpec": MultiModalFeatureSpecStandIn},
+    "vllm.outputs": {"RequestError": _placeholder("RequestError")},
+    "vllm.pooling_params": {"PoolingParams": _placeholder("PoolingParams")},
+    "vllm.sampling_params": {"SamplingParams": SamplingParamsStandIn},
+    "vllm.v1.kv_hints": {"KvHintsEnvelope": _placeholder("KvHintsEnvelope")},
+    "vllm.v1.metrics.stats": {
+        name: _placeholder(name)
+        for name in ("PrefillStats", "RequestSpecDecodeMetrics", "SchedulerStats")
+    },
+    "vllm.v1.outputs": {
+        name: _placeholder(name)
+        for name in ("LogprobsLists", "LogprobsTensors", "SamplingMaskLists")
+    },
+    "vllm.v1.serial_utils": {"UtilityResult": _placeholder("UtilityResult")},
+}
+
+
 @pytest.fixture(scope="module")
 def vllm_engine() -> types.ModuleType:
-    lora = load_vllm_module("vllm.lora.request", {})
-    return load_vllm_module(
-        "vllm.v1.engine",
-        {
-            "numpy": {"ndarray": _placeholder("ndarray")},
-            "torch": {"Tensor": _placeholder("Tensor")},
-            "vllm.config.kv_events": {"KVEventsConfig": _placeholder("KVEventsConfig")},
-            "vllm.lora.request": {"LoRARequest": lora.LoRARequest},
-            "vllm.multimodal.inputs": {"MultiModalFeatureSpec": MultiModalFeatureSpecStandIn},
-            "vllm.outputs": {"RequestError": _placeholder("RequestError")},
-            "vllm.pooling_params": {"PoolingParams": _placeholder("PoolingParams")},
-            "vllm.sampling_params": {"SamplingParams": SamplingParamsStandIn},
-            "vllm.v1.kv_hints": {"KvHintsEnvelope": _placeholder("KvHintsEnvelope")},
-            "vllm.v1.metrics.stats": {
-                name: _placeholder(name)
-                for name in ("PrefillStats", "RequestSpecDecodeMetrics", "SchedulerStats")
-            },
-            "vllm.v1.outputs": {
-                name: _placeholder(name)
-                for name in ("LogprobsLists", "LogprobsTensors", "SamplingMaskLists")
-            },
-            "vllm.v1.serial_utils": {"UtilityResult": _placeholder("UtilityResult")},
-        },
-        package=True,
-    )
+    """vLLM's `vllm.v1.engine` package, with its own `LoRARequest` from `vllm.lora.request`."""
+    try:
+        modules = vllm_wheel.load("vllm.v1.engine", "vllm.lora.request",
+                                  stand_ins=ENGINE_STAND_INS)
+    except vllm_wheel.WheelUnavailable as exc:
+        pytest.skip(f"vLLM {vllm_wheel.VLLM_VERSION} wheel unavailable: {exc}")
+    return modules["vllm.v1.engine"]
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
