@@ -41,13 +41,15 @@ Fault injection: `SimEngine.freeze()` stops the step loop (peers then block in
 the collective); `ignore_start_wave = True` makes an engine drop START_DP_WAVE,
 which plants the classic never-woken-peer hang.
 
-Requests: the ADD payload is one frame holding a `SimRequest` (`encode_sim_request`).
+Requests: the ADD payload is one frame holding a `SimRequest` (`encode_sim_request`)
+or a vLLM 0.33 `EngineCoreRequest` (`encode_vllm_request`); see `request`.
 
 Command line: `python -m coordinator.sim --help`.
 
-Modules: `request` (the ADD payload), `collective` (the hub and its clients),
-`engine` (one rank), `group` (every rank in one process), `cli` (the command
-line). Everything public is importable from `coordinator.sim` itself.
+Modules: `request` (the ADD payloads), `prefix_cache` (the KV cache),
+`collective` (the hub and its clients), `engine` (one rank), `group` (every
+rank in one process), `cli` (the command line). Everything public is
+importable from `coordinator.sim` itself.
 """
 
 from __future__ import annotations
@@ -66,12 +68,23 @@ if TYPE_CHECKING:
         sim_config_hash,
     )
     from coordinator.sim.group import SimEngineGroup
-    from coordinator.sim.request import SimRequest, decode_sim_request, encode_sim_request
+    from coordinator.sim.prefix_cache import BlockPool, CacheRequest
+    from coordinator.sim.request import (
+        SimRequest,
+        SimWork,
+        answer_tokens,
+        decode_add_payload,
+        decode_sim_request,
+        encode_sim_request,
+        encode_vllm_request,
+    )
 
 # Each public name and the module that defines it. They are imported on first use,
 # so a user of one part (the load generator needs only the request codec) does not
 # load the engine model and the command line with it.
 _HOMES = {
+    "BlockPool": "prefix_cache",
+    "CacheRequest": "prefix_cache",
     "CollectiveClient": "collective",
     "CollectiveHang": "collective",
     "CollectiveHub": "collective",
@@ -81,13 +94,19 @@ _HOMES = {
     "SimEngine": "engine",
     "SimEngineGroup": "group",
     "SimRequest": "request",
+    "SimWork": "request",
+    "answer_tokens": "request",
+    "decode_add_payload": "request",
     "decode_sim_request": "request",
     "encode_sim_request": "request",
+    "encode_vllm_request": "request",
     "main": "cli",
     "sim_config_hash": "engine",
 }
 
 __all__ = [
+    "BlockPool",
+    "CacheRequest",
     "CollectiveClient",
     "CollectiveHang",
     "CollectiveHub",
@@ -97,8 +116,12 @@ __all__ = [
     "SimEngine",
     "SimEngineGroup",
     "SimRequest",
+    "SimWork",
+    "answer_tokens",
+    "decode_add_payload",
     "decode_sim_request",
     "encode_sim_request",
+    "encode_vllm_request",
     "main",
     "sim_config_hash",
 ]
