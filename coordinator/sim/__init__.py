@@ -68,6 +68,7 @@ if TYPE_CHECKING:
         sim_config_hash,
     )
     from coordinator.sim.group import SimEngineGroup
+    from coordinator.sim.kv_publisher import KVEventPublisher
     from coordinator.sim.prefix_cache import BlockPool, CacheRequest
     from coordinator.sim.request import (
         SimRequest,
@@ -78,6 +79,7 @@ if TYPE_CHECKING:
         encode_sim_request,
         encode_vllm_request,
     )
+    from coordinator.sim.scheduler import SimScheduler
 
 # Each public name and the module that defines it. They are imported on first use,
 # so a user of one part (the load generator needs only the request codec) does not
@@ -89,11 +91,13 @@ _HOMES = {
     "CollectiveHang": "collective",
     "CollectiveHub": "collective",
     "HangPolicy": "engine",
+    "KVEventPublisher": "kv_publisher",
     "SimConfig": "engine",
     "SimCounters": "engine",
     "SimEngine": "engine",
     "SimEngineGroup": "group",
     "SimRequest": "request",
+    "SimScheduler": "scheduler",
     "SimWork": "request",
     "answer_tokens": "request",
     "decode_add_payload": "request",
@@ -111,11 +115,13 @@ __all__ = [
     "CollectiveHang",
     "CollectiveHub",
     "HangPolicy",
+    "KVEventPublisher",
     "SimConfig",
     "SimCounters",
     "SimEngine",
     "SimEngineGroup",
     "SimRequest",
+    "SimScheduler",
     "SimWork",
     "answer_tokens",
     "decode_add_payload",

@@ -46,6 +46,7 @@ from coordinator.protocol.vllm import MAX_WAVE
 
 __all__ = [
     "DEFAULT_MAX_TOKENS",
+    "FINISH_ERROR",
     "FINISH_LENGTH",
     "SimRequest",
     "SimWork",
@@ -61,6 +62,8 @@ MAX_DECODE_STEPS = 10_000_000
 DEFAULT_MAX_TOKENS = 16
 #: vLLM's FinishReason.LENGTH: max_tokens was reached.
 FINISH_LENGTH = 1
+#: vLLM's FinishReason.ERROR: the engine could not run the request.
+FINISH_ERROR = 3
 # Token ids of generated answers: away from the small ids special tokens use.
 _ANSWER_VOCAB = (1000, 32000)
 # How many trailing prompt tokens seed an answer.
