@@ -384,8 +384,11 @@ class SimEngine:
         cost = plan.prefill_tokens * self.config.prefill_s_per_token
         await asyncio.sleep(self.config.step_time_s + cost)
         self.counters.steps += 1
-        self._send_step_outputs(scheduler.complete(plan, time.monotonic()))
+        result = scheduler.complete(plan, time.monotonic())
+        # Events first, as vLLM's scheduler does: whoever learns from an output
+        # that a request finished can count on its blocks having been announced.
         self._publish_kv_events()
+        self._send_step_outputs(result)
         return True
 
     async def _dummy_step(self) -> None:

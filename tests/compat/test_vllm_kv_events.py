@@ -10,7 +10,6 @@ goes through the per-rank port offset.
 
 from __future__ import annotations
 
-import logging
 import socket
 import time
 import types
@@ -40,35 +39,11 @@ from coordinator.protocol.kv_events import (
     offset_endpoint,
     subscription_for,
 )
+from tests.compat.vllm_stand_ins import KV_STAND_INS
 from tools import vllm_wheel
 
 RANK = 3
 WAIT_S = 10.0
-
-
-class KVEventsConfigStandIn:
-    """vLLM's `KVEventsConfig` is a pydantic config; the publisher only builds one."""
-
-    def __init__(self, **fields: Any) -> None:
-        self.__dict__.update(fields)
-
-
-def _unused_split(path: str) -> Any:  # only reached for tcp://*:0, which no test uses
-    raise AssertionError(f"unexpected split_zmq_path({path!r})")
-
-
-# What vLLM's KV event module imports from the rest of vLLM, and nothing more.
-KV_STAND_INS: dict[str, dict[str, Any]] = {
-    "vllm.config.kv_events": {"KVEventsConfig": KVEventsConfigStandIn},
-    "vllm.logger": {"init_logger": logging.getLogger},
-    "vllm.utils.network_utils": {
-        "get_ip": lambda: "127.0.0.1",
-        "get_tcp_uri": lambda ip, port: f"tcp://{ip}:{port}",
-        "is_valid_ipv6_address": lambda ip: False,
-        "split_zmq_path": _unused_split,
-    },
-    "vllm.v1.core.kv_cache_utils": {"ExternalBlockHash": bytes | int},
-}
 
 
 @pytest.fixture(scope="module")
