@@ -193,6 +193,9 @@ class FrontendClient:
         on_notice: called for every unsolicited notice; when None they queue up
             for `notices()`.
         on_publish: called after each publish was applied, with the client.
+        on_outputs: called with every decoded `EngineCoreOutputs` an engine sent to
+            this client and the `time.monotonic()` it was read at (token outputs,
+            scheduler stats, utility results), before finished requests are handled.
         context: a zmq.asyncio.Context to share; by default the client owns one.
         curve_secret_key: path of this frontend's secret key file (`NAME.key_secret`
             from `dp-coordinator keygen`); with `curve_server_key`, the sockets to the
@@ -212,6 +215,7 @@ class FrontendClient:
         on_finished: Callable[[FinishedRequest], None] | None = None,
         on_notice: Callable[[Notice], None] | None = None,
         on_publish: Callable[[FrontendClient], None] | None = None,
+        on_outputs: Callable[[vllm.EngineCoreOutputs, float], None] | None = None,
         max_queued: int = 1 << 20,
         context: zmq.asyncio.Context | None = None,
         curve_secret_key: str | None = None,
@@ -230,6 +234,7 @@ class FrontendClient:
         self.on_finished = on_finished
         self.on_notice = on_notice
         self.on_publish = on_publish
+        self.on_outputs = on_outputs
 
         self._owns_context = context is None
         self._ctx = context if context is not None else zmq.asyncio.Context()
@@ -610,6 +615,11 @@ class FrontendClient:
                 self.stats[f"bad_output.{exc.reason}"] += 1
                 continue
             self.stats["outputs"] += 1
+            if self.on_outputs is not None:
+                try:
+                    self.on_outputs(message, now)
+                except Exception:
+                    log.exception("on_outputs callback failed")
             ids = finished_ids(message)
             if not ids:
                 continue
