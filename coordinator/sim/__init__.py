@@ -6,6 +6,24 @@ Each `SimEngine` is an `EngineAgent` plus a step loop that behaves like vLLM
 * a waiting queue and a running set capped at `max_batch`; a request runs for
   its `decode_steps` steps, then the frontend that sent it gets an
   `EngineCoreOutputs` with `finished_requests=[request_id]` on its output socket;
+* a KV cache of `kv_blocks` blocks of `block_size` tokens with prefix caching
+  (`prefix_cache`, `scheduler`): a request sent as a vLLM `EngineCoreRequest`
+  has a prompt whose KV takes blocks; full blocks stay cached after it
+  finishes (LRU), keyed by content as vLLM keys them (parent-chained hashes,
+  LoRA and cache salt included), and a later prompt with the same prefix skips
+  computing it. Every step computes at most `max_num_batched_tokens` tokens
+  and lasts `step_time_s` plus `prefill_s_per_token` per prompt token it
+  computed, so a hit shortens the request's time to first token and, in
+  lockstep, the step the whole group waits for. Such requests get vLLM's
+  first-token and final `EngineCoreOutput`s (with `PrefillStats`), and one
+  frontend gets vLLM's `prefix_cache_stats`; `kv_cache_usage` counts blocks in
+  use. `SimRequest`s have no prompt and run exactly as before;
+* with `kv_events_endpoint`, vLLM's KV cache events (`kv_publisher`):
+  `BlockStored`, `BlockRemoved`, `AllBlocksCleared` batches on vLLM's endpoint
+  convention with a replay socket, and a ready greeting that carries the block
+  size and the publisher's `kv_events_config` as a vLLM engine's does; vLLM's
+  `reset_prefix_cache` utility call (or `SimEngine.reset_prefix_cache`, or
+  SIGUSR2 to `python -m coordinator.sim`) clears the cache;
 * each loop iteration drains the input, publishes stats, runs one step and
   publishes stats again; stats go out only when `(running, waiting)` changed;
 * while the group is running, an engine with no local work runs dummy steps;
@@ -47,9 +65,13 @@ or a vLLM 0.33 `EngineCoreRequest` (`encode_vllm_request`); see `request`.
 Command line: `python -m coordinator.sim --help`.
 
 Modules: `request` (the ADD payloads), `prefix_cache` (the KV cache),
-`collective` (the hub and its clients), `engine` (one rank), `group` (every
-rank in one process), `cli` (the command line). Everything public is
-importable from `coordinator.sim` itself.
+`scheduler` (admission, token budget, progress), `outputs` (what vLLM
+requests get back), `kv_publisher` (KV events), `collective` (the hub and its
+clients), `engine` (one rank), `group` (every rank in one process), `cli` (the
+command line); and the traffic that exercises them: `workload` (multi-turn
+chat and shared documents, the ideal reuse) and `traffic` (the load
+generator's config, records, summary and command line). Everything public in
+the engine's modules is importable from `coordinator.sim` itself.
 """
 
 from __future__ import annotations
