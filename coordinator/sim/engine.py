@@ -26,7 +26,7 @@ from coordinator.protocol.errors import ProtocolError
 from coordinator.protocol.vllm import EngineCoreOutputs, EngineReadyResponse, SchedulerStats
 from coordinator.sim.collective import CollectiveClient, CollectiveHang
 from coordinator.sim.kv_publisher import KVEventPublisher
-from coordinator.sim.outputs import prefill_stats_for, token_output
+from coordinator.sim.outputs import PrefillStats, prefill_stats_for, token_output
 from coordinator.sim.request import FINISH_ERROR, FINISH_LENGTH, decode_add_payload
 from coordinator.sim.scheduler import Active, SchedulerConfig, SimScheduler, StepResult
 
@@ -131,11 +131,12 @@ class SimCounters:
 class SimEngine:
     """One simulated DP rank: an EngineAgent and a vLLM-like step loop.
 
-    `start()` runs the agent handshake (which completes only when every rank of
-    the group has subscribed at the coordinator) and launches the loop; `stop()`
-    ends it. State is exposed read-only for tests: `current_wave`,
-    `engines_running`, `step_counter`, `num_waiting`, `num_running`, `counters`,
-    `hangs`, `failed`.
+    `start()` opens the KV event publisher if one is configured, runs the agent
+    handshake (which completes only when every rank of the group has subscribed
+    at the coordinator) and launches the loop; `stop()` ends it. State is
+    exposed read-only for tests: `current_wave`, `engines_running`,
+    `step_counter`, `num_waiting`, `num_running`, `counters`, `hangs`, `failed`,
+    `scheduler` (queues and KV cache) and `publisher`.
     """
 
     def __init__(
@@ -548,7 +549,7 @@ class SimEngine:
         self.counters.finished += len(result.finished)
         self._send_outputs(outputs, finished)
 
-    def _prefill_stats(self, active: Active) -> Any:
+    def _prefill_stats(self, active: Active) -> PrefillStats:
         prompt, cached = active.prompt_len, active.cached_tokens
         size = self.config.block_size
         created = 0
