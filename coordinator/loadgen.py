@@ -64,6 +64,7 @@ import time
 import uuid
 from collections import Counter, deque
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import zmq.asyncio
 
@@ -382,10 +383,19 @@ class LoadGenerator:
         else:
             plan = plan_documents(cfg.documents, seed)
         queue = deque(plan)
-        await asyncio.gather(*(
-            self._session_worker(self.clients[index % len(self.clients)], queue, deadline,
-                                 budget)
-            for index in range(cfg.concurrency)))
+        workers = [asyncio.ensure_future(self._session_worker(
+            self.clients[index % len(self.clients)], queue, deadline, budget))
+            for index in range(cfg.concurrency)]
+        stopped = asyncio.ensure_future(self._stop.wait())
+        every: asyncio.Future[Any] = asyncio.gather(*workers)
+        try:
+            await asyncio.wait([every, stopped], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            # At a shutdown notice, a turn waiting for its submit reply ends at once.
+            for task in (*workers, stopped):
+                task.cancel()
+            await asyncio.gather(*workers, stopped, return_exceptions=True)
+            every.cancel()
 
     async def _session_worker(self, client: FrontendClient, queue: deque[Session],
                               deadline: float, budget: list[int]) -> None:

@@ -68,14 +68,18 @@ def test_help_says_how_to_run_it_and_bad_arguments_are_refused() -> None:
         assert refused.returncode == 2 and "usage:" in refused.stderr, bad
 
 
+@pytest.mark.parametrize("workload", ["poisson", "chat"])
 async def test_the_shutdown_notice_stops_the_load_at_once_and_nothing_is_lost(
-        short_tmp: Path) -> None:
+        short_tmp: Path, workload: str) -> None:
     handle = _launch(short_tmp, 2, 2)
     group = SimEngineGroup(handle.addresses["handshake"], 2, config=SimConfig(
         step_time_s=0.005, collective_timeout_s=5.0, on_hang="wait"))
     # Long requests, a long run: only the notice can end it in time.
+    chat = ChatConfig(sessions=200, turns=5, system_prompt_tokens=32, user_tokens=(4, 8),
+                      answer_tokens=(400, 600), think_s=0.0)
     config = LoadConfig(frontends=2, rate=100.0, duration_s=60.0, steps_median=400,
-                        steps_sigma=0.1, steps_max=600, drain_timeout_s=30.0, seed=5)
+                        steps_sigma=0.1, steps_max=600, drain_timeout_s=30.0, seed=5,
+                        workload=workload, chat=chat, concurrency=40)
     gen = LoadGenerator(handle.addresses, config)
     try:
         await asyncio.wait_for(asyncio.gather(gen.start(), group.start()), 20.0)
