@@ -895,11 +895,14 @@ async def test_engine_processes_and_a_killed_peer(
         for process in (*engines, hub):
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
-        for process in (*engines, hub):
+        for rank, process in enumerate((*engines, hub)):
             try:
-                process.communicate(timeout=STEP)
+                _, err = process.communicate(timeout=STEP)
             except subprocess.TimeoutExpired:
                 process.kill()
-                process.communicate()
+                _, err = process.communicate()
+            if err:  # shown only when the test fails
+                print(f"--- stderr of {'hub' if process is hub else f'engine {rank}'}:\n"
+                      f"{err.decode(errors='replace')[-3000:]}")
         await client.close()
     assert hub.returncode == 0
