@@ -13,6 +13,7 @@ from logging import ERROR, INFO, WARNING
 
 from coordinator.core import liveness
 from coordinator.core.actions import REARM_TIMER, REFRESH_OBSERVED_NOW, Publish, SendPurpose
+from coordinator.core.claims import Greeting
 from coordinator.core.context import CoreContext
 from coordinator.core.events import (
     EngineGreeted,
@@ -20,10 +21,13 @@ from coordinator.core.events import (
     EngineUnsubscribed,
     FrontendSubscribed,
     HandshakeReceived,
+    PeerConnected,
+    PeerDisconnected,
 )
 from coordinator.core.frontends import InitStep
 from coordinator.core.gate import GateStep
-from coordinator.core.membership import Accepted, ProbeHolder, Refused
+from coordinator.core.liveness import ProbeEffect
+from coordinator.core.membership import Accepted, ProbeHolder, RankChanged, Refused
 from coordinator.core.recorder import KIND_MEMBERSHIP, KIND_REFUSAL, KIND_WATCHDOG
 from coordinator.core.watchdog import NO_PROGRESS
 from coordinator.protocol import vllm
@@ -68,7 +72,8 @@ class EngineRules(CoreContext):
         message, rank = event.message, event.rank
         result = self.membership.hello(
             rank, engine_id=message.engine_id, local=message.local, headless=message.headless,
-            now=now, holder_reachable=holder_reachable,
+            now=now, holder_reachable=holder_reachable, conn=event.conn,
+            protocol_version=message.protocol_version,
         )
         if isinstance(result, ProbeHolder):
             # Decided once the holder's probe answers (SendSucceeded / SendFailed).
@@ -81,6 +86,8 @@ class EngineRules(CoreContext):
             return
         if result.released is not None:
             self._on_rank_changed(result.released, now)
+        if not result.duplicate:
+            self._failed_at_death.pop(rank, None)  # a new incarnation never had them
         self._note_accepted("hello", result, now)
         if self.frontends.init_step() is InitStep.HOLD:
             self._log(INFO, "dp_rank=%d said HELLO; INIT waits until %d frontends registered "
@@ -108,25 +115,42 @@ class EngineRules(CoreContext):
 
     def _on_ready(self, event: HandshakeReceived, now: float) -> None:
         result = self.membership.ready(
-            event.rank, parallel_config_hash=event.message.parallel_config_hash, now=now
+            event.rank, parallel_config_hash=event.message.parallel_config_hash, now=now,
+            conn=event.conn,
         )
         if isinstance(result, Refused):
             self._refuse_handshake(event.identity, result.reason.value, result.message, now)
             return
         self._note_accepted("ready", result, now)
-        self._send("handshake", event.identity, (vllm.encode_handshake_accepted(),),
-                   SendPurpose.HANDSHAKE)
+        if result.lease.protocol_version is not None:
+            # Only this project's engine SDK waits for ACCEPTED: a vLLM engine closes its
+            # handshake socket right after READY and never reads a reply.
+            self._send("handshake", event.identity, (vllm.encode_handshake_accepted(),),
+                       SendPurpose.HANDSHAKE)
         self._log(INFO, "dp_rank=%d ready (engine_id=%s)", event.rank, result.lease.engine_id)
 
     # ---- engines: dispatch greetings, reports, the gate ------------------------------------
 
     def _on_greeted(self, event: EngineGreeted, now: float) -> None:
         rank = event.rank
+        self.silent_connections.spoke(event.conn)
         if self.membership.check_rank(rank) is not None:
             self._drop("dispatch", "rank_out_of_range", f"dp_rank={rank}")
-        elif self.membership.greeted(rank, now):
+            return
+        greeting = self.membership.greeted(rank, now, event.conn)
+        if greeting is Greeting.BOUND or greeting is Greeting.REPEATED:
             self.counters["dispatch.greetings"] += 1
-            self._log(INFO, "dp_rank=%d connected on dispatch", rank)
+            self._log(INFO, "dp_rank=%d connected on dispatch", rank,
+                      key=None if greeting is Greeting.BOUND else f"greet:{rank}")
+        elif greeting is Greeting.SECOND_CLAIM:
+            self.counters["dispatch.second_claims"] += 1
+            self._record(now, KIND_REFUSAL, "second claim on dispatch", rank=rank,
+                         conn=event.conn)
+            self._log(WARNING, "dp_rank=%d: a second connection greeted on dispatch for a rank "
+                      "whose engine already greeted on another one; it is not that engine "
+                      "(an engine greets once per connection), so dp_rank=%d gets no new "
+                      "requests until that connection is gone and the rank's own answers a "
+                      "probe", rank, rank, key=f"claim:{event.conn}")
         else:
             # Handshook with someone else (vLLM's launcher) or not at all: it can still take
             # part in waves and stats, but nothing is routed to an unknown incarnation.
@@ -248,10 +272,65 @@ class EngineRules(CoreContext):
         if hello is not None:
             self._on_hello(hello, now, holder_reachable=reachable)
 
+    def _lease_probed(self, rank: int, reachable: bool, now: float) -> None:
+        """A lease probe's answer (see core.liveness for what it proves)."""
+        lease = self.membership.lease(rank)
+        if lease is None:
+            return
+        effect = liveness.PROBE_OUTCOMES[
+            liveness.condition(lease, now, self._quiet_after_s), reachable]
+        heard_at = now - self._heard_within_s
+        if effect is ProbeEffect.RENEW:
+            self.membership.renew(rank, heard_at)
+        elif effect is ProbeEffect.UNREACHABLE:
+            self.membership.mark_unreachable(rank)
+        elif effect is ProbeEffect.DISCONNECT:
+            for change in self.membership.disconnected(rank, now):
+                self._on_rank_changed(change, now)
+        elif effect is ProbeEffect.REVIVE:
+            revived = self.membership.revive(
+                rank, heard_at, "reachable again on dispatch, same incarnation: evidence of "
+                "life revises the death")
+            if revived is not None:
+                self._revived(rank, lease.incarnation, revived, now)
+
+    def _revived(self, rank: int, incarnation: int, change: RankChanged, now: float) -> None:
+        self.counters["lease.revived"] += 1
+        self._on_rank_changed(change, now)
+        failed = self._failed_at_death.pop(rank, None)
+        if failed is not None and failed[0] == incarnation:
+            # Their frontends were told they failed: the engine must not finish them now.
+            self.counters["requests.aborted_on_revival"] += len(failed[1])
+            self._send("dispatch", rank_to_identity(rank),
+                       (vllm.ABORT, vllm.encode_abort(failed[1])), SendPurpose.ABORT)
+
+    def _on_peer_connected(self, event: PeerConnected, now: float) -> None:
+        if event.socket == "dispatch":
+            self.silent_connections.opened(event.conn, now, event.peer)
+
+    def _on_peer_disconnected(self, event: PeerDisconnected, now: float) -> None:
+        self.silent_connections.closed(event.conn)
+        rank = self.membership.connection_closed(event.conn)
+        if rank is not None and event.socket == "dispatch":
+            self._log(INFO, "dp_rank=%d: its dispatch connection closed; no new requests go "
+                      "there until a probe reaches it again", rank, key=f"lost:{rank}")
+
+    def _credit_pause(self, pause: float, now: float) -> None:
+        """The coordinator did not run for ``pause`` s: that is no engine's silence."""
+        self.membership.credit_pause(pause, now)
+        self.counters["coordinator.pauses"] += 1
+        self._record(now, KIND_MEMBERSHIP, "coordinator paused", seconds=round(pause, 3))
+        self._log(WARNING, "the coordinator did not run for %.1f s (stopped, frozen or "
+                  "starved); every lease was credited that time, and leases are judged again "
+                  "once what the engines sent meanwhile has been read", pause)
+        # Judge after the queued traffic is read: the readers run before the next tick.
+        self._next_lease_check = now + self._lease_interval_s
+
     # ---- timers ----------------------------------------------------------------------------
 
     def _check_leases(self, now: float) -> None:
-        """Probe quiet engines, then expire the leases nobody renewed (see core.liveness)."""
+        """Probe quiet, unreachable and revivable engines, then expire the leases nobody
+        renewed (see core.liveness); and count dispatch connections that never greeted."""
         probed = liveness.ranks_to_probe(self.membership.leases(), now, self._quiet_after_s)
         for rank in probed:
             self.counters["lease.probes"] += 1
@@ -259,6 +338,13 @@ class EngineRules(CoreContext):
                        SendPurpose.PROBE_LEASE, confirm=True)
         for change in self.membership.expire(now, spare=probed):
             self._on_rank_changed(change, now)
+        for _conn, peer in self.silent_connections.overdue(now):
+            self.counters["dispatch.silent_connections"] += 1
+            self._log(WARNING, "a connection on dispatch%s has not greeted within %g s: an "
+                      "engine reconnecting after its connection dropped, or a second "
+                      "connection claiming a rank whose engine is connected (it gets nothing), "
+                      "or not an engine", f" from {peer}" if peer else "",
+                      self.silent_connections.grace_s, key="silent-dispatch")
 
     def _observe(self, now: float) -> None:
         self._apply_wave_actions(self.waves.on_timer(now), now, cause="unanswered wake retried",
