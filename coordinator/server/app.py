@@ -272,11 +272,10 @@ class CoordinatorServer:
             connections = self._connections.get(key)
             self._readers[key] = FrameReader(
                 self._sockets[key], handler, name=key, on_error=self._handler_failed,
-                source=connections.source if connections else None,
-                on_idle=connections.flush_closed if connections else None)
+                source=connections.source if connections else None)
         for key, connections in self._connections.items():
             self._readers[f"{key}.monitor"] = FrameReader(
-                connections.monitor, self._monitor_feeder(key, connections),
+                connections.monitor, self._monitor_feeder(connections),
                 name=f"{key}.monitor", on_error=self._handler_failed)
         tasks = [asyncio.ensure_future(reader.run()) for reader in self._readers.values()]
         tasks.append(asyncio.ensure_future(self._timer.run()))
@@ -339,16 +338,13 @@ class CoordinatorServer:
                              clock())
             if actions:
                 execute(actions)
+            if connections is not None:
+                connections.message_done()
 
         return on_frames
 
-    def _monitor_feeder(self, key: str, connections: PeerConnections) -> FrameHandler:
-        def on_frames(frames: list[bytes]) -> None:
-            connections.on_monitor_message(frames)
-            # A close is reported once the socket has nothing older left to read.
-            self._readers[key].poke()
-
-        return on_frames
+    def _monitor_feeder(self, connections: PeerConnections) -> FrameHandler:
+        return connections.on_monitor_message
 
     def _feed(self, event: Event) -> None:
         self.execute(self.core.handle(event, self.clock()))

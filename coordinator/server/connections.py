@@ -11,15 +11,16 @@ two things this module puts together:
 ``PeerConnections`` numbers each accepted connection (the ``conn`` of the
 core's events, never 0 and never reused, unlike descriptors), looks up the
 connection of each message by its descriptor, and turns the monitor's events
-into ``PeerConnected`` and ``PeerDisconnected``. Order matters and is kept:
+into ``PeerConnected`` and ``PeerDisconnected``. Two orders matter:
 
 * a message is looked up only after every monitor event already queued has
   been applied, so a descriptor reused by a new connection is never taken for
   the old one;
-* a disconnect is reported only once the socket has no message left to read:
-  libzmq queues a connection's last messages before it reports the
-  connection closed, so the core always sees an engine's READY before the
-  close of the connection it came on.
+* libzmq reports a connection closed while messages it received before may
+  still wait in the socket (behind other connections' messages). Such a
+  message is delivered with its connection all the same, and the close is
+  reported again right after it (``closed_after``), so the core never keeps
+  a fact (a HELLO, a greeting) about a connection that is gone.
 
 The monitor is attached before the socket binds, so no connection is missed.
 No decisions here: the core decides what a connection that closed means.
@@ -74,13 +75,16 @@ class PeerConnections:
         self._sock = sock
         self._ids = ids
         self._feed = feed
+        # Descriptor -> connection; a closed one stays (negated) until its number is
+        # reused, so that its late messages still name it. One entry per descriptor.
         self._by_fd: dict[int, int] = {}
-        self._closing: list[int] = []
         self.current = 0
         """The connection of the message being handled (0: not known)."""
+        self.closed_after = 0
+        """That connection, when it is already closed (report the close again after it)."""
 
     def read_monitor(self) -> None:
-        """Apply every monitor event queued so far (closes are held; see ``flush_closed``)."""
+        """Apply every monitor event queued so far."""
         monitor = self.monitor
         while True:
             try:
@@ -98,24 +102,27 @@ class PeerConnections:
             self._by_fd[fd] = conn
             self._feed(PeerConnected(self.name, conn, describe_peer(fd)))
         elif event == zmq.EVENT_DISCONNECTED:
-            self._closing.append(fd)
+            conn = self._by_fd.get(fd, 0)
+            if conn > 0:
+                self._by_fd[fd] = -conn
+                self._feed(PeerDisconnected(self.name, conn))
 
     def source(self, fd: int) -> None:
         """The next message came on descriptor ``fd``: make its connection ``current``."""
         self.read_monitor()
-        self.current = self._by_fd.get(fd, 0)
+        conn = self._by_fd.get(fd, 0)
+        self.current = abs(conn)
+        self.closed_after = -conn if conn < 0 else 0
 
-    def flush_closed(self) -> None:
-        """The socket had nothing left to read: report the connections whose close was
-        seen before that (their last messages were read)."""
-        while self._closing:
-            conn = self._by_fd.pop(self._closing.pop(0), None)
-            if conn is not None:
-                self._feed(PeerDisconnected(self.name, conn))
+    def message_done(self) -> None:
+        """The current message was handled: repeat its connection's close if it had one."""
+        if self.closed_after:
+            conn, self.closed_after = self.closed_after, 0
+            self._feed(PeerDisconnected(self.name, conn))
 
     @property
     def open_connections(self) -> int:
-        return len(self._by_fd)
+        return sum(1 for conn in self._by_fd.values() if conn > 0)
 
     def close(self) -> None:
         with contextlib.suppress(zmq.ZMQError):

@@ -96,8 +96,7 @@ class FrameReader:
     Whoever sends on a read socket must therefore call `poke()` afterwards.
 
     With `source`, each message's connection is given first: `source` gets the
-    file descriptor its last frame came on (`zmq.SRCFD`). `on_idle` runs each
-    time the socket is found empty.
+    file descriptor its last frame came on (`zmq.SRCFD`).
     """
 
     def __init__(
@@ -109,7 +108,6 @@ class FrameReader:
         on_error: Callable[[str, BaseException], None],
         batch: int = 128,
         source: Callable[[int], None] | None = None,
-        on_idle: Callable[[], None] | None = None,
     ) -> None:
         self._sock = sock
         self._handler = handler
@@ -117,7 +115,6 @@ class FrameReader:
         self._on_error = on_error
         self._batch = batch
         self._source = source
-        self._on_idle = on_idle
         self._readable = asyncio.Event()
         self._fd = int(sock.getsockopt(zmq.FD))
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -139,7 +136,7 @@ class FrameReader:
     async def _pump(self) -> None:
         sock = self._sock
         recv = sock.recv
-        handler, source, on_idle = self._handler, self._source, self._on_idle
+        handler, source = self._handler, self._source
         while True:
             count = 0
             while count < self._batch:
@@ -163,11 +160,6 @@ class FrameReader:
             if count == self._batch:
                 await asyncio.sleep(0)
                 continue
-            if on_idle is not None:
-                try:
-                    on_idle()
-                except Exception as exc:
-                    self._on_error(self._name, exc)
             self._readable.clear()
             if int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 continue
