@@ -13,12 +13,13 @@ a greeting came on, and reports when one closes.
 
 A holder is *connected* (``holder_connected``) while its HELLO connection is
 open (between HELLO and READY, when a vLLM engine loads its model and says
-nothing for minutes) or while the connection it greeted from on ``dispatch``
-is open. It cannot be told when there are no connection facts (a registration
-restored from a state file) or when its dispatch connection dropped and may be
-back under a new one: the caller then probes the holder on ``dispatch`` (an
-empty ABORT, which fails at once when nobody holds the identity there) and
-asks again with the answer.
+nothing for minutes; heartbeats drop that connection if its peer stops
+answering). A holder that greeted on ``dispatch`` is judged by what its
+connection there carries: the caller probes it (an empty ABORT, which fails
+at once when nobody holds the identity, and whose answer says when the engine
+was last heard; see ``core.liveness``) and asks again with the answer. So is
+a holder known by no connection facts (a registration restored from a state
+file).
 
 ``hello_verdict`` is what a HELLO does to a rank whose *live* lease is
 ``holder``:
@@ -113,10 +114,6 @@ class Holder(Protocol):
     def handshake_lost(self) -> bool: ...
     @property
     def dispatch_connected(self) -> bool: ...
-    @property
-    def dispatch_conn(self) -> int: ...
-    @property
-    def dispatch_lost(self) -> bool: ...
 
 
 def holder_connected(holder: Holder) -> bool | None:
@@ -125,10 +122,7 @@ def holder_connected(holder: Holder) -> bool | None:
     if hello_known and not holder.handshake_lost:
         return True
     if holder.dispatch_connected:
-        if holder.dispatch_conn != 0 and not holder.dispatch_lost:
-            return True
-        # Unknown, or dropped and perhaps back under a new connection: probe the identity.
-        return None
+        return None  # what its dispatch connection carries decides: probe it
     if hello_known:
         return False  # its HELLO connection closed and it never greeted: it vanished
     return None

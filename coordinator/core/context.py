@@ -209,8 +209,9 @@ class CoreContext:
         return out
 
     def _send(self, socket: SocketName, identity: bytes, frames: Sequence[bytes],
-              purpose: SendPurpose = SendPurpose.REPLY, *, confirm: bool = False) -> None:
-        self._out.append(Send(socket, identity, frames, purpose, confirm))
+              purpose: SendPurpose = SendPurpose.REPLY, *, confirm: bool = False,
+              conn: int = 0) -> None:
+        self._out.append(Send(socket, identity, frames, purpose, confirm, conn))
 
     def _reply(self, identity: bytes, message: fp.FrontendReply,
                purpose: SendPurpose = SendPurpose.REPLY) -> None:

@@ -88,6 +88,7 @@ from coordinator.protocol.identity import identity_to_rank
 __all__ = ["CoordinatorCore", "CoreConfig"]
 
 SHUTDOWN_LINGER_MS = 500
+_PROBES = (SendPurpose.PROBE_LEASE, SendPurpose.PROBE_HOLDER)
 
 
 class CoordinatorCore(EngineRules, FrontendRules):
@@ -152,10 +153,9 @@ class CoordinatorCore(EngineRules, FrontendRules):
             if event.reason == "unreachable":
                 self.membership.mark_unreachable(action.rank)
             self._dispatch_failed(action, now)
-        elif action.purpose is SendPurpose.PROBE_LEASE:
-            self._lease_probed(identity_to_rank(action.identity), False, now)
-        elif action.purpose is SendPurpose.PROBE_HOLDER:
-            self._holder_probed(identity_to_rank(action.identity), False, now)
+        elif action.purpose in _PROBES:
+            self._probe_answered(action.purpose, identity_to_rank(action.identity), False,
+                                 None, now)
         else:
             self._send_failed_log(socket, action.identity)
 
@@ -166,10 +166,9 @@ class CoordinatorCore(EngineRules, FrontendRules):
                 self.frontends.inits_sent = True
                 self._state_changed()
             self._log(INFO, "dp_rank=%d: sent INIT", identity_to_rank(action.identity))
-        elif action.purpose is SendPurpose.PROBE_LEASE:
-            self._lease_probed(identity_to_rank(action.identity), True, now)
-        elif action.purpose is SendPurpose.PROBE_HOLDER:
-            self._holder_probed(identity_to_rank(action.identity), True, now)
+        elif action.purpose in _PROBES:
+            self._probe_answered(action.purpose, identity_to_rank(action.identity), True,
+                                 event.heard_ago_s, now)
 
     # ---- timers ----------------------------------------------------------------------------
 

@@ -12,7 +12,13 @@ from __future__ import annotations
 from logging import ERROR, INFO, WARNING
 
 from coordinator.core import liveness
-from coordinator.core.actions import REARM_TIMER, REFRESH_OBSERVED_NOW, Publish, SendPurpose
+from coordinator.core.actions import (
+    REARM_TIMER,
+    REFRESH_OBSERVED_NOW,
+    CloseConnection,
+    Publish,
+    SendPurpose,
+)
 from coordinator.core.claims import Greeting
 from coordinator.core.context import CoreContext
 from coordinator.core.events import (
@@ -26,8 +32,8 @@ from coordinator.core.events import (
 )
 from coordinator.core.frontends import InitStep
 from coordinator.core.gate import GateStep
-from coordinator.core.liveness import ProbeEffect
-from coordinator.core.membership import Accepted, ProbeHolder, RankChanged, Refused
+from coordinator.core.liveness import ProbeAnswer, ProbeEffect
+from coordinator.core.membership import Accepted, EngineLease, ProbeHolder, RankChanged, Refused
 from coordinator.core.recorder import KIND_MEMBERSHIP, KIND_REFUSAL, KIND_WATCHDOG
 from coordinator.core.watchdog import NO_PROGRESS
 from coordinator.protocol import vllm
@@ -78,8 +84,7 @@ class EngineRules(CoreContext):
         if isinstance(result, ProbeHolder):
             # Decided once the holder's probe answers (SendSucceeded / SendFailed).
             self._hellos_probing[rank] = event
-            self._send("dispatch", rank_to_identity(rank), liveness.PROBE_FRAMES,
-                       SendPurpose.PROBE_HOLDER, confirm=True)
+            self._probe(result.holder, SendPurpose.PROBE_HOLDER)
             return
         if isinstance(result, Refused):
             self._refuse_handshake(event.identity, result.reason.value, result.message, now)
@@ -88,6 +93,11 @@ class EngineRules(CoreContext):
             self._on_rank_changed(result.released, now)
         if not result.duplicate:
             self._failed_at_death.pop(rank, None)  # a new incarnation never had them
+            old = result.replaced
+            if old is not None and old.dispatch_conn and not old.dispatch_closed:
+                # Its connection still holds the rank's identity on dispatch (a host that
+                # crashed without closing it): the new engine could never connect there.
+                self._out.append(CloseConnection("dispatch", old.dispatch_conn))
         self._note_accepted("hello", result, now)
         if self.frontends.init_step() is InitStep.HOLD:
             self._log(INFO, "dp_rank=%d said HELLO; INIT waits until %d frontends registered "
@@ -267,21 +277,41 @@ class EngineRules(CoreContext):
             cause="legacy first request", rank=event.engine_index, coordinator_wake=True,
         )
 
-    def _holder_probed(self, rank: int, reachable: bool, now: float) -> None:
-        hello = self._hellos_probing.pop(rank, None)
-        if hello is not None:
-            self._on_hello(hello, now, holder_reachable=reachable)
+    def _probe(self, lease: EngineLease, purpose: SendPurpose) -> None:
+        """An empty ABORT to the rank on dispatch, naming the connection that holds it."""
+        conn = 0 if lease.dispatch_closed else lease.dispatch_conn
+        self._send("dispatch", rank_to_identity(lease.rank), liveness.PROBE_FRAMES, purpose,
+                   confirm=True, conn=conn)
 
-    def _lease_probed(self, rank: int, reachable: bool, now: float) -> None:
+    def _probe_answered(self, purpose: SendPurpose, rank: int, sent: bool,
+                        heard_ago_s: float | None, now: float) -> None:
+        answer = liveness.answer_of(sent, heard_ago_s,
+                                    liveness.silent_after_s(self.config.lease_ttl_s))
+        if purpose is SendPurpose.PROBE_HOLDER:
+            hello = self._hellos_probing.pop(rank, None)
+            if hello is not None:
+                effect = liveness.HOLDER_PROBE_OUTCOMES[answer]
+                self._on_hello(hello, now,
+                               holder_reachable=effect is ProbeEffect.REFUSE_HELLO)
+        else:
+            heard_at = now - (self._heard_within_s if heard_ago_s is None else heard_ago_s)
+            self._lease_probed(rank, answer, heard_at, now)
+
+    def _lease_probed(self, rank: int, answer: ProbeAnswer, heard_at: float,
+                      now: float) -> None:
         """A lease probe's answer (see core.liveness for what it proves)."""
         lease = self.membership.lease(rank)
         if lease is None:
             return
         effect = liveness.PROBE_OUTCOMES[
-            liveness.condition(lease, now, self._quiet_after_s), reachable]
-        heard_at = now - self._heard_within_s
-        if effect is ProbeEffect.RENEW:
-            self.membership.renew(rank, heard_at)
+            liveness.condition(lease, now, self._quiet_after_s), answer]
+        if effect is ProbeEffect.RENEW or effect is ProbeEffect.STALE:
+            self.membership.renew(rank, heard_at)  # only to when it was last heard
+            if effect is ProbeEffect.STALE:
+                self.membership.mark_unreachable(rank)
+            # The probe spared it from this check's expiry: what it found decides.
+            for change in self.membership.expire(now, only=(rank,)):
+                self._on_rank_changed(change, now)
         elif effect is ProbeEffect.UNREACHABLE:
             self.membership.mark_unreachable(rank)
         elif effect is ProbeEffect.DISCONNECT:
@@ -331,11 +361,12 @@ class EngineRules(CoreContext):
     def _check_leases(self, now: float) -> None:
         """Probe quiet, unreachable and revivable engines, then expire the leases nobody
         renewed (see core.liveness); and count dispatch connections that never greeted."""
-        probed = liveness.ranks_to_probe(self.membership.leases(), now, self._quiet_after_s)
+        leases = self.membership.leases()
+        probed = liveness.ranks_to_probe(leases, now, self._quiet_after_s)
+        by_rank = {lease.rank: lease for lease in leases}
         for rank in probed:
             self.counters["lease.probes"] += 1
-            self._send("dispatch", rank_to_identity(rank), liveness.PROBE_FRAMES,
-                       SendPurpose.PROBE_LEASE, confirm=True)
+            self._probe(by_rank[rank], SendPurpose.PROBE_LEASE)
         for change in self.membership.expire(now, spare=probed):
             self._on_rank_changed(change, now)
         for _conn, peer in self.silent_connections.overdue(now):

@@ -31,14 +31,13 @@ from typing import Literal, TypeAlias
 
 import msgspec
 
-from coordinator.core.actions import DispatchAdd, Send, SocketName
+from coordinator.core.actions import ConnectionSocket, DispatchAdd, Send, SocketName
 from coordinator.core.persisted import SavedState
 from coordinator.protocol import frontend as fp
 from coordinator.protocol import vllm
 from coordinator.protocol.errors import ProtocolError
 
 SendFailure: TypeAlias = Literal["full", "unreachable"]
-ConnectionSocket: TypeAlias = Literal["handshake", "dispatch"]
 
 
 class HandshakeReceived(msgspec.Struct, frozen=True):
@@ -123,9 +122,12 @@ class SendFailed(msgspec.Struct, frozen=True):
 
 
 class SendSucceeded(msgspec.Struct, frozen=True):
-    """A ``Send`` marked ``confirm`` was handed to its socket."""
+    """A ``Send`` marked ``confirm`` was handed to its socket. ``heard_ago_s``: how long
+    ago anything (a heartbeat answer included) last arrived on the connection it named,
+    when the server can tell (tcp); None otherwise."""
 
     action: Send
+    heard_ago_s: float | None = None
 
 
 class Tick(msgspec.Struct, frozen=True, gc=False):

@@ -190,8 +190,11 @@ class EngineLease:
     handshake_lost: bool = False
     dispatch_conn: int = 0
     """The connection the engine greeted from on ``dispatch`` (0: not known)."""
+    dispatch_closed: bool = False
+    """That connection closed."""
     dispatch_lost: bool = False
-    """That connection closed, or a probe failed, and no probe has reached it since."""
+    """Not reachable there (its connection closed, a probe missed it, or it carried
+    nothing lately) since a probe last heard it: no new requests go there."""
     dispatch_claimed_by: int = 0
     """Another connection that greeted for this rank and is still open (a second claim)."""
     died_from: RankState | None = None
@@ -551,7 +554,7 @@ class Membership:
         if conn == lease.handshake_conn:
             lease.handshake_lost = True
         if conn == lease.dispatch_conn:
-            lease.dispatch_lost = True
+            lease.dispatch_closed = lease.dispatch_lost = True
         if conn == lease.dispatch_claimed_by:
             # The identity is free again; whoever holds it next must answer a probe.
             lease.dispatch_claimed_by = 0
@@ -581,13 +584,15 @@ class Membership:
         cause = f"engine disconnected (last seen {age} s ago)"
         return self._apply(lease, LeaseEvent.DISCONNECT, cause)
 
-    def expire(self, now: float, *, spare: Collection[int] = ()) -> list[RankChanged]:
+    def expire(self, now: float, *, spare: Collection[int] = (),
+               only: Collection[int] | None = None) -> list[RankChanged]:
         """Leases not renewed within the TTL turn DEAD, except those of ``spare``
-        (ranks being probed right now: their probe's answer decides)."""
+        (ranks being probed right now: their probe's answer decides); with ``only``,
+        just those ranks are looked at."""
         changes: list[RankChanged] = []
-        for rank in sorted(self._leases):
-            lease = self._leases[rank]
-            if rank in spare:
+        for rank in sorted(self._leases) if only is None else sorted(only):
+            lease = self._leases.get(rank)
+            if lease is None or rank in spare:
                 continue
             if lease.state is not RankState.DEAD and not self._alive(lease, now):
                 age = _seconds(now - lease.last_seen)

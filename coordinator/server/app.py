@@ -33,6 +33,8 @@ import zmq
 from coordinator.core import liveness
 from coordinator.core.actions import (
     Action,
+    CloseConnection,
+    ConnectionSocket,
     DispatchAdd,
     Log,
     Publish,
@@ -46,7 +48,6 @@ from coordinator.core.coordinator import CoordinatorCore, CoreConfig
 from coordinator.core.events import (
     DUMP_RECORDER,
     Bound,
-    ConnectionSocket,
     Event,
     Restore,
     SendFailed,
@@ -132,6 +133,7 @@ class CoordinatorServer:
             SetLinger: self._run_set_linger,
             RefreshObserved: self._run_refresh,
             RearmTimer: self._run_rearm,
+            CloseConnection: self._run_close_connection,
         }
         # One handler per socket: frames in, actions carried out.
         self.frame_handlers: dict[str, FrameHandler] = {
@@ -208,8 +210,16 @@ class CoordinatorServer:
         # is disconnected, so an open connection proves its engine was heard within
         # liveness.heard_within_s (core.liveness says why the numbers are what they are).
         ttl = self.config.lease_ttl_s
-        heartbeats = [(zmq.HEARTBEAT_IVL, int(liveness.heartbeat_ivl_s(ttl) * 1000)),
-                      (zmq.HEARTBEAT_TIMEOUT, int(liveness.heartbeat_timeout_s(ttl) * 1000))]
+        pings = [(zmq.HEARTBEAT_IVL, int(liveness.heartbeat_ivl_s(ttl) * 1000))]
+        timeout_ms = int(liveness.heartbeat_timeout_s(ttl) * 1000)
+        heartbeats = [*pings, (zmq.HEARTBEAT_TIMEOUT, timeout_ms)]
+        # A dispatch connection over tcp is not dropped for silence (only after
+        # liveness.TCP_SILENCE_LIMIT_S, a backstop): a drop cannot reach a host cut off by
+        # a partition, whose engine would then never reconnect; what arrived on it is
+        # read from the kernel instead. (Without a timeout libzmq would use the interval.)
+        limit_ms = int(liveness.TCP_SILENCE_LIMIT_S * 1000)
+        tcp_pings = [*pings, (zmq.HEARTBEAT_TIMEOUT, limit_ms)]
+        dispatch = tcp_pings if self._tcp("dispatch") else heartbeats
         return [
             # No ROUTER_HANDOVER on either: a rank's identity belongs to the first live
             # connection that carries it, and libzmq turns a second one away, silently,
@@ -217,12 +227,16 @@ class CoordinatorServer:
             # connection carrying a live rank's identity would take its requests.
             ("handshake", zmq.ROUTER, [(zmq.ROUTER_MANDATORY, 1), *heartbeats]),
             ("dispatch", zmq.ROUTER, [(zmq.ROUTER_MANDATORY, 1), (zmq.SNDHWM, 0),
-                                      *heartbeats]),
+                                      *dispatch]),
             ("back_output", zmq.PULL, [(zmq.RCVHWM, 0)]),
             ("back_publish", zmq.XPUB, [(zmq.XPUB_VERBOSE, 1)]),
             ("front_publish", zmq.XPUB, [(zmq.XPUB_VERBOSE, 1)]),
             ("frontend", zmq.ROUTER, [(zmq.ROUTER_MANDATORY, 1), (zmq.ROUTER_HANDOVER, 1)]),
         ]
+
+    def _tcp(self, key: str) -> bool:
+        override = self.config.bind_overrides.get(key)
+        return override.startswith("tcp://") if override else self.config.host is not None
 
     def close(self) -> None:
         if self.config.state_file is not None and self._serving:
@@ -397,7 +411,15 @@ class CoordinatorServer:
         if failure is not None:
             self._report(SendFailed(action, failure))
         elif action.confirm:
-            self._report(SendSucceeded(action))
+            connections = self._connections.get(action.socket) if action.conn else None
+            heard = connections.heard_ago(action.conn) if connections is not None else None
+            self._report(SendSucceeded(action, heard))
+
+    def _run_close_connection(self, action: CloseConnection) -> None:
+        connections = self._connections.get(action.socket)
+        if connections is not None and connections.cut(action.conn):
+            log.info("cut a stale connection on %s that still held an identity",
+                     action.socket)
 
     def _run_dispatch_add(self, action: DispatchAdd) -> None:
         failure = self._send_frames("dispatch", [action.engine, vllm.ADD, *action.payload])

@@ -22,6 +22,12 @@ into ``PeerConnected`` and ``PeerDisconnected``. Two orders matter:
   reported again right after it (``closed_after``), so the core never keeps
   a fact (a HELLO, a greeting) about a connection that is gone.
 
+Two more facts come from a connection's descriptor when the core asks:
+``heard_ago`` (how long ago anything, a heartbeat answer included, arrived on a
+tcp connection: the kernel's ``tcpi_last_data_recv``) and ``cut`` (shut a
+connection down, so that libzmq closes it and frees the identity it holds,
+for a crashed host's connection that nothing else would ever close).
+
 The monitor is attached before the socket binds, so no connection is missed.
 No decisions here: the core decides what a connection that closed means.
 """
@@ -36,10 +42,45 @@ from collections.abc import Callable, Iterator
 
 import zmq
 
-from coordinator.core.events import ConnectionSocket, Event, PeerConnected, PeerDisconnected
+from coordinator.core.actions import ConnectionSocket
+from coordinator.core.events import Event, PeerConnected, PeerDisconnected
 
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 _HEADER = struct.Struct("=Hi")  # event id, value (the descriptor)
+# struct tcp_info: __u32 tcpi_last_data_recv (milliseconds) at byte 52 (Linux).
+_TCP_INFO_BYTES = 104
+_LAST_DATA_RECV = struct.Struct("=I")
+_LAST_DATA_RECV_OFFSET = 52
+_IP_FAMILIES = (socket.AF_INET, socket.AF_INET6)
+
+
+def heard_ago(fd: int) -> float | None:
+    """Seconds since data last arrived on tcp descriptor ``fd``; None if it cannot tell."""
+    option = getattr(socket, "TCP_INFO", None)
+    if option is None:
+        return None
+    try:
+        peer = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return None
+    with peer:
+        if peer.family not in _IP_FAMILIES:
+            return None
+        try:
+            info = peer.getsockopt(socket.IPPROTO_TCP, option, _TCP_INFO_BYTES)
+        except OSError:
+            return None
+    if len(info) < _LAST_DATA_RECV_OFFSET + _LAST_DATA_RECV.size:
+        return None
+    return float(_LAST_DATA_RECV.unpack_from(info, _LAST_DATA_RECV_OFFSET)[0]) / 1000.0
+
+
+def cut(fd: int) -> None:
+    """Shut down descriptor ``fd`` both ways; libzmq then closes it as a lost peer."""
+    with contextlib.suppress(OSError):
+        peer = socket.socket(fileno=os.dup(fd))
+        with peer:
+            peer.shutdown(socket.SHUT_RDWR)
 
 
 def describe_peer(fd: int) -> str:
@@ -78,6 +119,7 @@ class PeerConnections:
         # Descriptor -> connection; a closed one stays (negated) until its number is
         # reused, so that its late messages still name it. One entry per descriptor.
         self._by_fd: dict[int, int] = {}
+        self._open: dict[int, int] = {}  # conn -> descriptor, open connections only
         self.current = 0
         """The connection of the message being handled (0: not known)."""
         self.closed_after = 0
@@ -100,11 +142,13 @@ class PeerConnections:
         if event == zmq.EVENT_ACCEPTED:
             conn = next(self._ids)
             self._by_fd[fd] = conn
+            self._open[conn] = fd
             self._feed(PeerConnected(self.name, conn, describe_peer(fd)))
         elif event == zmq.EVENT_DISCONNECTED:
             conn = self._by_fd.get(fd, 0)
             if conn > 0:
                 self._by_fd[fd] = -conn
+                del self._open[conn]
                 self._feed(PeerDisconnected(self.name, conn))
 
     def source(self, fd: int) -> None:
@@ -120,9 +164,24 @@ class PeerConnections:
             conn, self.closed_after = self.closed_after, 0
             self._feed(PeerDisconnected(self.name, conn))
 
+    def heard_ago(self, conn: int) -> float | None:
+        """How long ago data last arrived on open connection ``conn`` (tcp only)."""
+        self.read_monitor()
+        fd = self._open.get(conn)
+        return None if fd is None else heard_ago(fd)
+
+    def cut(self, conn: int) -> bool:
+        """Shut open connection ``conn`` down; False if it is not open (any more)."""
+        self.read_monitor()  # its descriptor may have been closed and reused meanwhile
+        fd = self._open.get(conn)
+        if fd is None:
+            return False
+        cut(fd)
+        return True
+
     @property
     def open_connections(self) -> int:
-        return sum(1 for conn in self._by_fd.values() if conn > 0)
+        return len(self._open)
 
     def close(self) -> None:
         with contextlib.suppress(zmq.ZMQError):

@@ -18,6 +18,7 @@ from typing import Any
 
 from coordinator.core.actions import (
     Action,
+    CloseConnection,
     DispatchAdd,
     Log,
     Publish,
@@ -70,6 +71,11 @@ class Driver:
     now: float = 0.0
     unreachable: set[tuple[str, bytes]] = field(default_factory=set)
     """(socket, identity) pairs whose sends fail as 'unreachable'."""
+    last_heard: dict[tuple[str, bytes], float] = field(default_factory=dict)
+    """(socket, identity) -> when anything last arrived on its connection, reported with
+    a confirmed send that names one, as the server measures tcp connections."""
+    cut: list[tuple[str, int]] = field(default_factory=list)
+    """Connections the core asked to cut (CloseConnection)."""
     sends: list[tuple[str, bytes, list[bytes]]] = field(default_factory=list)
     publishes: list[tuple[str, list[bytes]]] = field(default_factory=list)
     logs: list[Log] = field(default_factory=list)
@@ -121,7 +127,9 @@ class Driver:
                 return
             self.sends.append((action.socket, action.identity, list(action.frames)))
             if action.confirm:
-                self._report(SendSucceeded(action))
+                at = self.last_heard.get((action.socket, action.identity))
+                heard = None if at is None or not action.conn else self.now - at
+                self._report(SendSucceeded(action, heard))
         elif isinstance(action, DispatchAdd):
             if ("dispatch", action.engine) in self.unreachable:
                 self._report(SendFailed(action, "unreachable"))
@@ -142,6 +150,8 @@ class Driver:
             self.refreshes += 1
         elif isinstance(action, RearmTimer):
             self.rearms += 1
+        elif isinstance(action, CloseConnection):
+            self.cut.append((action.socket, action.conn))
         else:  # pragma: no cover - a new action type must be handled here
             raise AssertionError(f"unknown action {action!r}")
 

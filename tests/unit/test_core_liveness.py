@@ -267,3 +267,38 @@ def test_an_add_that_finds_nobody_keeps_the_rank_out_until_a_probe_reaches_it() 
     driver.unreachable.clear()
     driver.tick(1.0)
     assert driver.core.membership.dispatchable() == [0, 1]
+
+
+# ---- what arrived on the connection -------------------------------------------------------
+
+
+def test_an_open_connection_that_carries_nothing_is_no_evidence_of_life() -> None:
+    """A host cut off keeps its tcp connection open; the kernel says nothing arrives."""
+    driver = group()
+    identity = rank_to_identity(0)
+    driver.last_heard[("dispatch", identity)] = 1.0  # the partition: nothing after 1 s
+    driver.tick(1.0 + HEARD + 1.0)
+    lease = driver.core.membership.lease(0)
+    assert lease is not None and lease.last_seen <= 1.0 + 1e-9  # never renewed past it
+    assert driver.core.membership.dispatchable() == [1]  # silent: no new requests
+    driver.tick(1.0 + TTL + 1.0)
+    assert state(driver, 0) is RankState.DEAD and state(driver, 1) is RankState.READY
+    assert "lease expired (last seen" in driver.log_text()
+    # Still silent: not revived. Heard again (the partition healed): revived.
+    driver.tick(1.0 + TTL + 2.0)
+    assert state(driver, 0) is RankState.DEAD
+    driver.last_heard[("dispatch", identity)] = 1.0 + TTL + 2.5
+    driver.tick(1.0 + TTL + 3.0)
+    assert state(driver, 0) is RankState.READY and driver.core.membership.dispatchable() == [0, 1]
+
+
+def test_a_hello_takes_over_from_a_silent_holder_and_cuts_its_connection() -> None:
+    driver = group()
+    driver.last_heard[("dispatch", rank_to_identity(1))] = -10.0  # crashed, still open
+    driver.hello(1, "engine-b", conn=301, protocol_version=1)
+    assert isinstance(driver.handshake_replies(1)[-1], vllm.EngineHandshakeMetadata)
+    assert driver.cut == [("dispatch", 201)]  # so its successor can connect there
+    # A heard holder keeps its rank.
+    driver.hello(0, "engine-c", conn=302, protocol_version=1)
+    assert reason(driver, 0).startswith("Engine ID mismatch for dp_rank=0: expected None")
+    assert driver.cut == [("dispatch", 201)]

@@ -10,7 +10,9 @@ from coordinator.core.liveness import (
     PROBE_FRAMES,
     PROBE_OUTCOMES,
     LeaseCondition,
+    ProbeAnswer,
     ProbeEffect,
+    answer_of,
     check_interval_s,
     condition,
     heard_within_s,
@@ -20,6 +22,7 @@ from coordinator.core.liveness import (
     probe_due,
     quiet_after_s,
     ranks_to_probe,
+    silent_after_s,
 )
 from coordinator.core.membership import EngineLease, RankState
 from coordinator.protocol import vllm
@@ -38,19 +41,34 @@ def test_the_probe_is_an_empty_abort() -> None:
 
 
 def test_every_condition_and_answer_has_an_outcome() -> None:
-    assert set(PROBE_OUTCOMES) == {(c, ok) for c in LeaseCondition for ok in (True, False)}
-    assert set(HOLDER_PROBE_OUTCOMES) == {True, False}
+    assert set(PROBE_OUTCOMES) == {(c, a) for c in LeaseCondition for a in ProbeAnswer}
+    assert set(HOLDER_PROBE_OUTCOMES) == set(ProbeAnswer)
 
 
 def test_what_each_answer_does() -> None:
-    # A failed probe kills only a lease nothing else vouches for; an answer revives.
-    assert PROBE_OUTCOMES[LeaseCondition.QUIET, False] is ProbeEffect.DISCONNECT
-    assert PROBE_OUTCOMES[LeaseCondition.HEARD, False] is ProbeEffect.UNREACHABLE
-    assert PROBE_OUTCOMES[LeaseCondition.QUIET, True] is ProbeEffect.RENEW
-    assert PROBE_OUTCOMES[LeaseCondition.REVIVABLE, True] is ProbeEffect.REVIVE
-    assert PROBE_OUTCOMES[LeaseCondition.REVIVABLE, False] is ProbeEffect.NOTHING
-    assert {PROBE_OUTCOMES[LeaseCondition.FINAL, ok] for ok in (True, False)} == {
-        ProbeEffect.NOTHING}
+    C, A, E = LeaseCondition, ProbeAnswer, ProbeEffect
+    # A missed probe kills only a lease nothing else vouches for.
+    assert PROBE_OUTCOMES[C.QUIET, A.MISSED] is E.DISCONNECT
+    assert PROBE_OUTCOMES[C.HEARD, A.MISSED] is E.UNREACHABLE
+    # An open connection that carried nothing lately is no evidence of life.
+    assert PROBE_OUTCOMES[C.QUIET, A.SILENT] is E.STALE
+    assert PROBE_OUTCOMES[C.HEARD, A.SILENT] is E.STALE
+    assert PROBE_OUTCOMES[C.QUIET, A.HEARD] is E.RENEW
+    # Only an engine really heard revives a dead rank.
+    assert PROBE_OUTCOMES[C.REVIVABLE, A.HEARD] is E.REVIVE
+    assert PROBE_OUTCOMES[C.REVIVABLE, A.SILENT] is E.NOTHING
+    assert PROBE_OUTCOMES[C.REVIVABLE, A.MISSED] is E.NOTHING
+    assert {PROBE_OUTCOMES[C.FINAL, a] for a in A} == {E.NOTHING}
+    # A HELLO takes over from a holder that is not heard.
+    assert HOLDER_PROBE_OUTCOMES[A.HEARD] is E.REFUSE_HELLO
+    assert HOLDER_PROBE_OUTCOMES[A.SILENT] is HOLDER_PROBE_OUTCOMES[A.MISSED] is E.TAKE_OVER
+
+
+def test_what_a_probe_found() -> None:
+    assert answer_of(False, None, 1.5) is ProbeAnswer.MISSED
+    assert answer_of(True, None, 1.5) is ProbeAnswer.HEARD  # not measurable: heartbeats
+    assert answer_of(True, 1.5, 1.5) is ProbeAnswer.HEARD
+    assert answer_of(True, 1.51, 1.5) is ProbeAnswer.SILENT
 
 
 def test_a_leases_condition_when_its_probe_answers() -> None:
@@ -68,6 +86,8 @@ def test_an_open_connection_vouches_for_well_under_a_ttl(ttl: float) -> None:
     assert heartbeat_ivl_s(ttl) < heartbeat_timeout_s(ttl)
     assert heard_within_s(ttl) == heartbeat_ivl_s(ttl) + heartbeat_timeout_s(ttl)
     assert heard_within_s(ttl) + check_interval_s(ttl) < ttl
+    # Silent (two pings unanswered) well before a probe is even due.
+    assert silent_after_s(ttl) <= quiet_after_s(ttl)
 
 
 def test_only_a_tick_a_second_late_or_more_is_a_pause() -> None:

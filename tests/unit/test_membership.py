@@ -226,14 +226,18 @@ def test_hello_without_ids_takes_a_rank_whose_holder_nothing_says_is_there() -> 
     assert result.lease.registered_at == 2.0
 
 
-def test_hello_without_ids_is_refused_while_the_holder_is_connected() -> None:
+def test_hello_without_ids_is_refused_while_the_holder_is_heard() -> None:
     m = make()
     accepted(hello(m, 5, None, now=0.0, conn=11))
     accepted(m.ready(5, parallel_config_hash=None, now=0.5, conn=11))
     assert m.greeted(5, 1.0, conn=12) is Greeting.BOUND
     assert m.connection_closed(11) == 5  # vLLM closes its handshake socket after READY
     before = state_of(m)
-    result = refused(hello(m, 5, None, now=4.0, conn=13))
+    # What its dispatch connection carries decides: it is probed first.
+    asked = m.hello(5, engine_id=None, local=False, headless=True, now=4.0, conn=13)
+    assert isinstance(asked, ProbeHolder) and state_of(m) == before
+    result = refused(m.hello(5, engine_id=None, local=False, headless=True, now=4.0,
+                             conn=13, holder_reachable=True))
     assert result.reason is R.RANK_HELD
     assert result.message == (
         "dp_rank=5 is held by a live engine (ready, incarnation 1, still connected, last "

@@ -104,10 +104,7 @@ class MembershipMachine(RuleBasedStateMachine):
         if prior.state is S.HANDSHAKING and hello is not None and hello not in self.closed:
             return True
         if prior.dispatch_connected:
-            greet = self.greet_conn.get(rank)
-            if greet is not None and greet not in self.closed and self.reachable.get(rank):
-                return True
-            return None
+            return None  # what its dispatch connection carries decides: a probe
         if prior.state is S.HANDSHAKING and hello is not None:
             return False
         return None
