@@ -21,6 +21,7 @@ from coordinator.core import liveness
 from coordinator.core.claims import GREETING_GRACE_S
 from tests.conftest import TRANSPORTS, CoordinatorFactory
 from tests.vllm_peers import (
+    READY,
     RawEngine,
     RawFrontend,
     handshake_group,
@@ -112,6 +113,75 @@ def test_a_hello_holder_that_stops_answering_frees_its_rank_within_the_heartbeat
     finally:
         holder.kill()
         holder.wait(10)
+
+
+_FROZEN_ENGINE = """
+import sys, msgspec, zmq
+handshake, rank = sys.argv[1], int(sys.argv[2])
+identity = rank.to_bytes(2, "little")
+ctx = zmq.Context()
+hs = ctx.socket(zmq.DEALER); hs.setsockopt(zmq.IDENTITY, identity); hs.connect(handshake)
+hs.send(msgspec.msgpack.encode({"status": "HELLO", "local": False, "headless": True}))
+assert hs.poll(10000)
+addresses = msgspec.msgpack.decode(hs.recv())["addresses"]
+dispatch = ctx.socket(zmq.DEALER); dispatch.setsockopt(zmq.IDENTITY, identity)
+dispatch.connect(addresses["inputs"][0])
+sub = ctx.socket(zmq.XSUB); sub.connect(addresses["coordinator_input"]); sub.send(b"\\x01")
+dispatch.send(msgspec.msgpack.encode({"data_parallel_rank": rank}))
+assert sub.poll(10000) and sub.recv() == b"READY"
+hs.send(msgspec.msgpack.encode({"status": "READY", "local": False, "headless": True}))
+hs.close(linger=5000)
+print("ready", flush=True)
+import time; time.sleep(300)
+"""
+
+
+def test_a_new_engine_takes_over_from_a_frozen_one_whose_connection_stays_open(
+    coordinator: CoordinatorFactory, zmq_ctx: Ctx
+) -> None:
+    """A crashed or frozen host keeps its tcp connection open, holding the rank's identity
+    on dispatch: once nothing arrives on it, a new HELLO takes the rank over and the
+    coordinator cuts that connection, so the new engine can connect there."""
+    ttl = 2.0
+    handle = coordinator(2, transport="tcp", extra_args=["--lease-ttl-s", str(ttl)])
+    frozen = subprocess.Popen([sys.executable, "-c", _FROZEN_ENGINE,
+                               handle.addresses["handshake"], "0"], stdout=subprocess.PIPE)
+    try:
+        other = RawEngine(zmq_ctx, handle.addresses, 1, dp_size=2)
+        other.hello()
+        other.connect_plane()
+        other.subscribe()
+        other.greet()
+        assert other.expect_publish() == [READY]
+        other.send_ready()
+        assert frozen.stdout is not None and frozen.stdout.readline().strip() == b"ready"
+        front = RawFrontend(zmq_ctx, handle.addresses)
+        wait_until(lambda: [e[1] for e in front.state()["engines"]] == ["ready", "ready"],
+                   what="both ranks ready")
+        os.kill(frozen.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        engine, at, refusals = hello_until_init(zmq_ctx, handle.addresses, 0, within=10.0)
+        print(f"\na frozen engine's rank was taken over {at - stopped:.3f} s after it "
+              f"froze ({len(refusals)} refusals while it still counted as heard)")
+        assert at - stopped <= liveness.silent_after_s(ttl) + 2.0
+        engine.connect_plane()
+        engine.subscribe()
+        engine.greet()
+        engine.send_ready()
+        wait_until(lambda: front.counters().get("dispatch.greetings") == 3,
+                   what="the new engine's greeting on dispatch")
+        reply = front.submit("to-the-new-engine", b"req", dp_rank=0)
+        assert reply[0] == "submitted", reply
+        frames = engine.recv_dispatch(5.0)
+        while frames is not None and frames[0] == b"\x01":  # probes may come first
+            frames = engine.recv_dispatch(5.0)
+        assert frames == [b"\x00", b"req"]
+        assert "cut a stale connection on dispatch" in handle.stderr_text()
+        engine.close()
+        other.close()
+    finally:
+        frozen.kill()
+        frozen.wait(10)
 
 
 def test_a_connected_vllm_engine_keeps_its_rank_until_it_is_gone(
