@@ -35,6 +35,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from coordinator.core import liveness
 from coordinator.core.events import TICK
 from coordinator.core.membership import RankState
 from coordinator.protocol import frontend as fp
@@ -396,6 +397,25 @@ class CoreGroup(RuleBasedStateMachine):
             self.driver.feed(TICK, max(self.driver.now, self.core.next_deadline()))
             self.check_new_output()
         self.driver.feed(TICK, target)
+
+    @rule()
+    def a_dead_rank_whose_engine_lives_comes_back(self) -> None:
+        """Dead is revisable: an engine that never stopped, reachable again on dispatch
+        after a blip that killed its lease, is ready again once the timer ran twice."""
+        back = []
+        for rank, engine in self.engines.items():
+            lease = self.core.membership.lease(rank)
+            if (self.live(engine) and engine.greeted and engine.engine_id is not None
+                    and ("dispatch", rank_to_identity(rank)) not in self.driver.unreachable
+                    and lease is not None and lease.engine_id == engine.engine_id
+                    and lease.state is RankState.DEAD and lease.died_from is not None):
+                back.append(rank)
+        if not back:
+            return
+        self.time_passes(2 * liveness.check_interval_s(self.core.config.lease_ttl_s) + 0.01)
+        for rank in back:
+            event("a dead rank revived")
+            assert self.core.membership.lease(rank).state is not RankState.DEAD, rank  # type: ignore[union-attr]
 
     @rule(seconds=st.sampled_from([2.0, 20.0]))
     def coordinator_stalls(self, seconds: float) -> None:
