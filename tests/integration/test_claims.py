@@ -24,6 +24,7 @@ from tests.vllm_peers import (
     READY,
     RawEngine,
     RawFrontend,
+    engine_outputs,
     handshake_group,
     hello_payload,
     pack,
@@ -300,3 +301,22 @@ def test_a_vllm_engines_ready_gets_no_reply_and_makes_no_noise(
     counters = front.counters()
     assert not {k: v for k, v in counters.items() if k.startswith("send_dropped.handshake")}
     assert "could not send on handshake" not in handle.stderr_text()
+
+
+def test_a_rank_that_dies_leaves_the_rest_of_a_running_group_running(
+    coordinator: CoordinatorFactory, zmq_ctx: Ctx
+) -> None:
+    """The surviving engines are still in the wave: a death publishes no pause."""
+    handle = coordinator(2, extra_args=["--lease-ttl-s", "1"])
+    peers = handshake_group(zmq_ctx, handle.addresses, [0, 1], dp_size=2)
+    front = RawFrontend(zmq_ctx, handle.addresses)
+    front.subscribe_publishes()
+    peers[0].report(engine_outputs(0, start_wave=0))
+    wait_until(lambda: front.state()["running"], what="the wave running")
+    front.drain_publishes(0.2)
+    peers[1].close()  # its process exits mid-wave
+    wait_until(lambda: [e[1] for e in front.state()["engines"]] == ["ready", "dead"],
+               timeout=5.0, what="dp_rank=1 declared dead")
+    published = [unpack(buf) for _, buf in front.drain_publishes(0.5)]
+    assert all(running for _, _, running in published), published
+    assert front.state()["running"]
