@@ -47,7 +47,7 @@ def hello_until_init(ctx: Ctx, addresses: dict[str, str], rank: int, *, within: 
     while True:
         engine = RawEngine(ctx, addresses, rank, dp_size=2)
         engine.send_handshake(hello_payload(**extra))
-        raw = engine.recv_handshake(0.1)
+        raw = engine.recv_handshake(0.02)
         if raw is not None:
             reply = unpack(raw)
             if "addresses" in reply:
