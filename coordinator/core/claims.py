@@ -163,9 +163,6 @@ class SilentConnections:
         self.grace_s = grace_s
         self._pending: dict[int, tuple[float, str]] = {}
 
-    def __len__(self) -> int:
-        return len(self._pending)
-
     def opened(self, conn: int, now: float, peer: str) -> None:
         self._pending[conn] = (now + self.grace_s, peer)
 

@@ -301,7 +301,7 @@ class EngineRules(CoreContext):
                       now: float) -> None:
         """A lease probe's answer (see core.liveness for what it proves)."""
         lease = self.membership.lease(rank)
-        if lease is None:
+        if lease is None:  # pragma: no cover - a probe goes only to a rank with a lease
             return
         effect = liveness.PROBE_OUTCOMES[
             liveness.condition(lease, now, self._quiet_after_s), answer]
