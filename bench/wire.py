@@ -14,6 +14,7 @@ import struct
 
 import coordinator.protocol.vllm as vllm
 from coordinator.protocol import frontend as fp
+from coordinator.protocol.version import PROTOCOL_VERSION
 
 # Any value >= 2**16 and < 2**32 makes msgspec use the 4-byte form 0xce.
 _WIDE = 0x10000000
@@ -97,7 +98,10 @@ def identity(rank: int) -> bytes:
     return rank.to_bytes(2, "little")
 
 
-HELLO = vllm.encode_handshake(vllm.HandshakeMessage(status="HELLO", local=True, headless=True))
+# The engine SDK's HELLO: it carries the protocol version, so READY is answered with
+# ACCEPTED, which the handshake scenarios time (a vLLM engine gets no reply to READY).
+HELLO = vllm.encode_handshake(vllm.HandshakeMessage(
+    status="HELLO", local=True, headless=True, protocol_version=PROTOCOL_VERSION))
 READY_HANDSHAKE = vllm.encode_handshake(
     vllm.HandshakeMessage(
         status="READY", local=True, headless=True, parallel_config_hash="bench-hash"

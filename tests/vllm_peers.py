@@ -354,6 +354,9 @@ class RawEngine:
         self.sub: zmq.Socket[bytes] | None = None
         self.push: zmq.Socket[bytes] | None = None
         self.init: dict[str, Any] | None = None
+        # Only this project's engine SDK sends protocol_version, and only it is answered
+        # after READY: a vLLM engine closes its handshake socket and reads nothing.
+        self.answered_after_ready = False
 
     # -- handshake socket --
 
@@ -376,6 +379,7 @@ class RawEngine:
 
     def hello(self, *, local: bool = True, headless: bool = False, **extra: Any) -> dict[str, Any]:
         """Send HELLO and return the decoded INIT (asserting it is one)."""
+        self.answered_after_ready = extra.get("protocol_version") is not None
         self.send_handshake(hello_payload(local=local, headless=headless, **extra))
         raw = self.expect_handshake()
         init = unpack(raw)
@@ -386,9 +390,28 @@ class RawEngine:
     def send_ready(self, parallel_config_hash: str | None = None, **extra: Any) -> None:
         self.send_handshake(ready_payload(parallel_config_hash=parallel_config_hash, **extra))
 
-    def ready(self, parallel_config_hash: str | None = None, **extra: Any) -> bytes:
+    def ready(self, parallel_config_hash: str | None = None, *, timeout: float = 5.0,
+              **extra: Any) -> bytes | None:
+        """Send READY and return the reply: ACCEPTED or ERROR for an engine that sent
+        `protocol_version` in HELLO. A vLLM engine gets only an ERROR, if refused: for it
+        this returns None once the coordinator shows the rank ready."""
         self.send_ready(parallel_config_hash, **extra)
-        return self.expect_handshake()
+        if self.answered_after_ready:
+            return self.expect_handshake(timeout)
+        front = RawFrontend(self.ctx, self.addresses)
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                reply = self.recv_handshake(0.02)
+                if reply is not None:
+                    return reply
+                states = {e[0]: e[1] for e in front.state()["engines"]}
+                if states.get(self.rank) == "ready":
+                    return self.recv_handshake(0.02)  # a reply, if any, was sent before
+                assert time.monotonic() < deadline, (
+                    f"rank {self.rank}: neither ready nor refused within {timeout} s")
+        finally:
+            front.close()
 
     def close_handshake(self) -> None:
         """As a vLLM engine does after READY: the handshake socket goes away."""
@@ -615,7 +638,7 @@ def handshake_group(
     for rank in order:
         assert engines[rank].expect_publish() == [READY]
     for rank in order:
-        assert engines[rank].ready(parallel_config_hash) == ACCEPTED_REPLY
+        assert engines[rank].ready(parallel_config_hash) is None  # vLLM reads no reply
     return [engines[rank] for rank in ranks]
 
 

@@ -69,8 +69,9 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.add_argument("--heartbeat-s", type=float, default=5.0, metavar="S",
                    help="full state publish at least this often when idle (default 5)")
     p.add_argument("--lease-ttl-s", type=float, default=10.0, metavar="S",
-                   help="an engine with no traffic for this long is declared dead "
-                   "(default 10)")
+                   help="an engine from which nothing arrived for this long (traffic, or "
+                   "heartbeat answers on tcp) is declared dead; probes, pings and silence "
+                   "bounds scale with it (docs/OPERATIONS.md; default 10)")
     p.add_argument("--handshake-timeout-s", type=float, default=1800.0, metavar="S",
                    help="how long an engine may take between HELLO and READY; vLLM loads "
                    "its model there, silently (default 1800)")

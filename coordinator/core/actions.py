@@ -9,7 +9,8 @@ Sends whose outcome matters report back (see ``coordinator.core.events``):
 
 * a ``Send`` always reports ``SendFailed`` if it could not be handed to its
   socket, and also ``SendSucceeded`` when the core set ``confirm`` (liveness
-  probes, INIT);
+  probes, INIT); for a send that names the connection it should go out on
+  (``conn``), that report says how long ago anything last arrived on it;
 * a ``DispatchAdd`` carries out its ``wake`` and sends ``reply`` to the
   frontend only after the ADD was handed to the engine's connection;
   otherwise it reports ``SendFailed`` and the core decides what follows (the
@@ -33,6 +34,7 @@ from coordinator.core.persisted import SavedState
 SocketName: TypeAlias = Literal[
     "handshake", "dispatch", "back_output", "back_publish", "front_publish", "frontend"
 ]
+ConnectionSocket: TypeAlias = Literal["handshake", "dispatch"]
 PublishSocket: TypeAlias = Literal["back_publish", "front_publish"]
 
 
@@ -49,13 +51,15 @@ class SendPurpose(enum.Enum):
 
 
 class Send(msgspec.Struct, frozen=True):
-    """Send ``[identity, *frames]`` on ROUTER socket ``socket``."""
+    """Send ``[identity, *frames]`` on ROUTER socket ``socket``; ``conn`` is the connection
+    the core believes holds ``identity`` (0: none known)."""
 
     socket: SocketName
     identity: bytes
     frames: Sequence[bytes]
     purpose: SendPurpose = SendPurpose.REPLY
     confirm: bool = False
+    conn: int = 0
 
 
 class DispatchAdd(msgspec.Struct, frozen=True):
@@ -120,6 +124,14 @@ class RefreshObserved(msgspec.Struct, frozen=True, gc=False):
     force: bool = False
 
 
+class CloseConnection(msgspec.Struct, frozen=True, gc=False):
+    """Cut connection ``conn`` of ``socket``: it still holds an identity its engine gave
+    up (a host that crashed), and the engine's successor needs it."""
+
+    socket: ConnectionSocket
+    conn: int
+
+
 class RearmTimer(msgspec.Struct, frozen=True, gc=False):
     """``next_deadline()`` may have moved earlier: recompute the timer's sleep."""
 
@@ -130,5 +142,6 @@ REARM_TIMER = RearmTimer()
 
 Action: TypeAlias = (
     Send | DispatchAdd | Publish | Log | SaveState | SetLinger | RefreshObserved | RearmTimer
+    | CloseConnection
 )
 NO_ACTIONS: tuple[Action, ...] = ()

@@ -35,6 +35,7 @@ from coordinator.core.actions import (
     SocketName,
 )
 from coordinator.core.balancer import BalancePolicy, LoadTable, make_policy
+from coordinator.core.claims import SilentConnections
 from coordinator.core.events import HandshakeReceived
 from coordinator.core.frontends import FrontendRegistry
 from coordinator.core.gate import GateStep, StartGate
@@ -122,6 +123,11 @@ class CoreContext:
         self._row_width = 2 if config.legacy_frontends else 3
         self._publish_requested = False
         self._quiet_after_s = liveness.quiet_after_s(config.lease_ttl_s)
+        self._heard_within_s = liveness.heard_within_s(config.lease_ttl_s)
+        self.silent_connections = SilentConnections()
+        # Requests failed when a rank died, by rank: (incarnation, ids), aborted on the
+        # engine if that incarnation comes back (its outputs would follow a failure).
+        self._failed_at_death: dict[int, tuple[int, list[str]]] = {}
         self._lease_interval_s = liveness.check_interval_s(config.lease_ttl_s)
         self._next_lease_check = now + self._lease_interval_s
         self._next_observe = now + config.observe_interval_s
@@ -203,8 +209,9 @@ class CoreContext:
         return out
 
     def _send(self, socket: SocketName, identity: bytes, frames: Sequence[bytes],
-              purpose: SendPurpose = SendPurpose.REPLY, *, confirm: bool = False) -> None:
-        self._out.append(Send(socket, identity, frames, purpose, confirm))
+              purpose: SendPurpose = SendPurpose.REPLY, *, confirm: bool = False,
+              conn: int = 0) -> None:
+        self._out.append(Send(socket, identity, frames, purpose, confirm, conn))
 
     def _reply(self, identity: bytes, message: fp.FrontendReply,
                purpose: SendPurpose = SendPurpose.REPLY) -> None:
@@ -287,18 +294,29 @@ class CoreContext:
                   change.new.value if change.new else "absent", change.cause)
         if change.new in (RankState.DEAD, None):
             self.counters["lease.dead"] += 1
-            self._fail_rank_requests(change.rank, change.cause)
-            self._apply_wave_actions(self.waves.on_group_changed(), now,
-                                     cause=f"dp_rank={change.rank} left: {change.cause}",
-                                     rank=change.rank)
+            failed = self._fail_rank_requests(change.rank, change.cause)
+            lease = self.membership.lease(change.rank)
+            if lease is not None and lease.died_from is not None:
+                # It may come back (core.liveness): the group keeps its wave and running
+                # state, which its engines still share, and what failed here is aborted
+                # on the engine then.
+                if failed:
+                    self._failed_at_death[change.rank] = (lease.incarnation, failed)
+            else:
+                self._apply_wave_actions(self.waves.on_group_changed(), now,
+                                         cause=f"dp_rank={change.rank} left: {change.cause}",
+                                         rank=change.rank)
             if self.config.lockstep:
                 self._log(ERROR, "dp_rank=%d is gone (%s): in lockstep mode the group cannot "
                           "finish a wave until it is back", change.rank, change.cause)
 
-    def _fail_rank_requests(self, rank: int, reason: str) -> None:
+    def _fail_rank_requests(self, rank: int, reason: str) -> list[str]:
+        failed: list[str] = []
         for frontend, ids in self.requests.take_rank(rank).items():
             self.counters["requests.failed"] += len(ids)
             self._reply(frontend, fp.RequestsFailed(ids, rank, reason), SendPurpose.NOTICE)
+            failed += ids
+        return failed
 
     def _maybe_drained(self, rank: int) -> None:
         lease = self.membership.lease(rank)

@@ -52,6 +52,7 @@ from collections.abc import Callable, Sequence
 from logging import ERROR, INFO, WARNING
 from typing import Any
 
+from coordinator.core import liveness
 from coordinator.core.actions import Action, DispatchAdd, SendPurpose, SetLinger, SocketName
 from coordinator.core.context import CoreConfig
 from coordinator.core.engine_rules import EngineRules
@@ -67,6 +68,8 @@ from coordinator.core.events import (
     FrontendSubscribed,
     FrontendUnsubscribed,
     HandshakeReceived,
+    PeerConnected,
+    PeerDisconnected,
     Restore,
     SendFailed,
     SendSucceeded,
@@ -85,6 +88,7 @@ from coordinator.protocol.identity import identity_to_rank
 __all__ = ["CoordinatorCore", "CoreConfig"]
 
 SHUTDOWN_LINGER_MS = 500
+_PROBES = (SendPurpose.PROBE_LEASE, SendPurpose.PROBE_HOLDER)
 
 
 class CoordinatorCore(EngineRules, FrontendRules):
@@ -96,6 +100,8 @@ class CoordinatorCore(EngineRules, FrontendRules):
         self._handlers: dict[type, Callable[[Any, float], None]] = {
             HandshakeReceived: self._on_handshake,
             EngineGreeted: self._on_greeted,
+            PeerConnected: self._on_peer_connected,
+            PeerDisconnected: self._on_peer_disconnected,
             vllm.EngineReport: self._on_engine_report,
             EngineSubscribed: self._on_engine_subscribed,
             EngineUnsubscribed: self._on_engine_unsubscribed,
@@ -144,12 +150,12 @@ class CoordinatorCore(EngineRules, FrontendRules):
         socket: SocketName = "dispatch" if isinstance(action, DispatchAdd) else action.socket
         self.counters[f"send_dropped.{socket}.{event.reason}"] += 1
         if isinstance(action, DispatchAdd):
+            if event.reason == "unreachable":
+                self.membership.mark_unreachable(action.rank)
             self._dispatch_failed(action, now)
-        elif action.purpose is SendPurpose.PROBE_LEASE:
-            for change in self.membership.disconnected(identity_to_rank(action.identity), now):
-                self._on_rank_changed(change, now)
-        elif action.purpose is SendPurpose.PROBE_HOLDER:
-            self._holder_probed(identity_to_rank(action.identity), False, now)
+        elif action.purpose in _PROBES:
+            self._probe_answered(action.purpose, identity_to_rank(action.identity), False,
+                                 None, now)
         else:
             self._send_failed_log(socket, action.identity)
 
@@ -160,14 +166,16 @@ class CoordinatorCore(EngineRules, FrontendRules):
                 self.frontends.inits_sent = True
                 self._state_changed()
             self._log(INFO, "dp_rank=%d: sent INIT", identity_to_rank(action.identity))
-        elif action.purpose is SendPurpose.PROBE_LEASE:
-            self.membership.touch(identity_to_rank(action.identity), now)
-        elif action.purpose is SendPurpose.PROBE_HOLDER:
-            self._holder_probed(identity_to_rank(action.identity), True, now)
+        elif action.purpose in _PROBES:
+            self._probe_answered(action.purpose, identity_to_rank(action.identity), True,
+                                 event.heard_ago_s, now)
 
     # ---- timers ----------------------------------------------------------------------------
 
     def _on_tick(self, event: Tick, now: float) -> None:
+        pause = liveness.pause_of(min(self._next_lease_check, self._next_observe), now)
+        if pause:
+            self._credit_pause(pause, now)
         if now >= self._next_lease_check:
             self._next_lease_check = now + self._lease_interval_s
             self._check_leases(now)

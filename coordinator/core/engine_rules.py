@@ -12,7 +12,14 @@ from __future__ import annotations
 from logging import ERROR, INFO, WARNING
 
 from coordinator.core import liveness
-from coordinator.core.actions import REARM_TIMER, REFRESH_OBSERVED_NOW, Publish, SendPurpose
+from coordinator.core.actions import (
+    REARM_TIMER,
+    REFRESH_OBSERVED_NOW,
+    CloseConnection,
+    Publish,
+    SendPurpose,
+)
+from coordinator.core.claims import Greeting
 from coordinator.core.context import CoreContext
 from coordinator.core.events import (
     EngineGreeted,
@@ -20,10 +27,13 @@ from coordinator.core.events import (
     EngineUnsubscribed,
     FrontendSubscribed,
     HandshakeReceived,
+    PeerConnected,
+    PeerDisconnected,
 )
 from coordinator.core.frontends import InitStep
 from coordinator.core.gate import GateStep
-from coordinator.core.membership import Accepted, ProbeHolder, Refused
+from coordinator.core.liveness import ProbeAnswer, ProbeEffect
+from coordinator.core.membership import Accepted, EngineLease, ProbeHolder, RankChanged, Refused
 from coordinator.core.recorder import KIND_MEMBERSHIP, KIND_REFUSAL, KIND_WATCHDOG
 from coordinator.core.watchdog import NO_PROGRESS
 from coordinator.protocol import vllm
@@ -68,19 +78,26 @@ class EngineRules(CoreContext):
         message, rank = event.message, event.rank
         result = self.membership.hello(
             rank, engine_id=message.engine_id, local=message.local, headless=message.headless,
-            now=now, holder_reachable=holder_reachable,
+            now=now, holder_reachable=holder_reachable, conn=event.conn,
+            protocol_version=message.protocol_version,
         )
         if isinstance(result, ProbeHolder):
             # Decided once the holder's probe answers (SendSucceeded / SendFailed).
             self._hellos_probing[rank] = event
-            self._send("dispatch", rank_to_identity(rank), liveness.PROBE_FRAMES,
-                       SendPurpose.PROBE_HOLDER, confirm=True)
+            self._probe(result.holder, SendPurpose.PROBE_HOLDER)
             return
         if isinstance(result, Refused):
             self._refuse_handshake(event.identity, result.reason.value, result.message, now)
             return
         if result.released is not None:
             self._on_rank_changed(result.released, now)
+        if not result.duplicate:
+            self._failed_at_death.pop(rank, None)  # a new incarnation never had them
+            old = result.replaced
+            if old is not None and old.dispatch_conn and not old.dispatch_closed:
+                # Its connection still holds the rank's identity on dispatch (a host that
+                # crashed without closing it): the new engine could never connect there.
+                self._out.append(CloseConnection("dispatch", old.dispatch_conn))
         self._note_accepted("hello", result, now)
         if self.frontends.init_step() is InitStep.HOLD:
             self._log(INFO, "dp_rank=%d said HELLO; INIT waits until %d frontends registered "
@@ -108,25 +125,42 @@ class EngineRules(CoreContext):
 
     def _on_ready(self, event: HandshakeReceived, now: float) -> None:
         result = self.membership.ready(
-            event.rank, parallel_config_hash=event.message.parallel_config_hash, now=now
+            event.rank, parallel_config_hash=event.message.parallel_config_hash, now=now,
+            conn=event.conn,
         )
         if isinstance(result, Refused):
             self._refuse_handshake(event.identity, result.reason.value, result.message, now)
             return
         self._note_accepted("ready", result, now)
-        self._send("handshake", event.identity, (vllm.encode_handshake_accepted(),),
-                   SendPurpose.HANDSHAKE)
+        if result.lease.protocol_version is not None:
+            # Only this project's engine SDK waits for ACCEPTED: a vLLM engine closes its
+            # handshake socket right after READY and never reads a reply.
+            self._send("handshake", event.identity, (vllm.encode_handshake_accepted(),),
+                       SendPurpose.HANDSHAKE)
         self._log(INFO, "dp_rank=%d ready (engine_id=%s)", event.rank, result.lease.engine_id)
 
     # ---- engines: dispatch greetings, reports, the gate ------------------------------------
 
     def _on_greeted(self, event: EngineGreeted, now: float) -> None:
         rank = event.rank
+        self.silent_connections.spoke(event.conn)
         if self.membership.check_rank(rank) is not None:
             self._drop("dispatch", "rank_out_of_range", f"dp_rank={rank}")
-        elif self.membership.greeted(rank, now):
+            return
+        greeting = self.membership.greeted(rank, now, event.conn)
+        if greeting is Greeting.BOUND or greeting is Greeting.REPEATED:
             self.counters["dispatch.greetings"] += 1
-            self._log(INFO, "dp_rank=%d connected on dispatch", rank)
+            self._log(INFO, "dp_rank=%d connected on dispatch", rank,
+                      key=None if greeting is Greeting.BOUND else f"greet:{rank}")
+        elif greeting is Greeting.SECOND_CLAIM:
+            self.counters["dispatch.second_claims"] += 1
+            self._record(now, KIND_REFUSAL, "second claim on dispatch", rank=rank,
+                         conn=event.conn)
+            self._log(WARNING, "dp_rank=%d: a second connection greeted on dispatch for a rank "
+                      "whose engine already greeted on another one; it is not that engine "
+                      "(an engine greets once per connection), so dp_rank=%d gets no new "
+                      "requests until that connection is gone and the rank's own answers a "
+                      "probe", rank, rank, key=f"claim:{event.conn}")
         else:
             # Handshook with someone else (vLLM's launcher) or not at all: it can still take
             # part in waves and stats, but nothing is routed to an unknown incarnation.
@@ -243,22 +277,105 @@ class EngineRules(CoreContext):
             cause="legacy first request", rank=event.engine_index, coordinator_wake=True,
         )
 
-    def _holder_probed(self, rank: int, reachable: bool, now: float) -> None:
-        hello = self._hellos_probing.pop(rank, None)
-        if hello is not None:
-            self._on_hello(hello, now, holder_reachable=reachable)
+    def _probe(self, lease: EngineLease, purpose: SendPurpose) -> None:
+        """An empty ABORT to the rank on dispatch, naming the connection that holds it."""
+        conn = 0 if lease.dispatch_closed else lease.dispatch_conn
+        self._send("dispatch", rank_to_identity(lease.rank), liveness.PROBE_FRAMES, purpose,
+                   confirm=True, conn=conn)
+
+    def _probe_answered(self, purpose: SendPurpose, rank: int, sent: bool,
+                        heard_ago_s: float | None, now: float) -> None:
+        answer = liveness.answer_of(sent, heard_ago_s,
+                                    liveness.silent_after_s(self.config.lease_ttl_s))
+        if purpose is SendPurpose.PROBE_HOLDER:
+            hello = self._hellos_probing.pop(rank, None)
+            if hello is not None:
+                effect = liveness.HOLDER_PROBE_OUTCOMES[answer]
+                self._on_hello(hello, now,
+                               holder_reachable=effect is ProbeEffect.REFUSE_HELLO)
+        else:
+            heard_at = now - (self._heard_within_s if heard_ago_s is None else heard_ago_s)
+            self._lease_probed(rank, answer, heard_at, now)
+
+    def _lease_probed(self, rank: int, answer: ProbeAnswer, heard_at: float,
+                      now: float) -> None:
+        """A lease probe's answer (see core.liveness for what it proves)."""
+        lease = self.membership.lease(rank)
+        if lease is None:  # pragma: no cover - a probe goes only to a rank with a lease
+            return
+        effect = liveness.PROBE_OUTCOMES[
+            liveness.condition(lease, now, self._quiet_after_s), answer]
+        if effect is ProbeEffect.RENEW or effect is ProbeEffect.STALE:
+            self.membership.renew(rank, heard_at)  # only to when it was last heard
+            if effect is ProbeEffect.STALE:
+                self.membership.mark_unreachable(rank)
+            # The probe spared it from this check's expiry: what it found decides.
+            for change in self.membership.expire(now, only=(rank,)):
+                self._on_rank_changed(change, now)
+        elif effect is ProbeEffect.UNREACHABLE:
+            self.membership.mark_unreachable(rank)
+        elif effect is ProbeEffect.DISCONNECT:
+            for change in self.membership.disconnected(rank, now):
+                self._on_rank_changed(change, now)
+        elif effect is ProbeEffect.REVIVE:
+            revived = self.membership.revive(
+                rank, heard_at, "reachable again on dispatch, same incarnation: evidence of "
+                "life revises the death")
+            if revived is not None:
+                self._revived(rank, lease.incarnation, revived, now)
+
+    def _revived(self, rank: int, incarnation: int, change: RankChanged, now: float) -> None:
+        self.counters["lease.revived"] += 1
+        self._on_rank_changed(change, now)
+        failed = self._failed_at_death.pop(rank, None)
+        if failed is not None and failed[0] == incarnation:
+            # Their frontends were told they failed: the engine must not finish them now.
+            self.counters["requests.aborted_on_revival"] += len(failed[1])
+            self._send("dispatch", rank_to_identity(rank),
+                       (vllm.ABORT, vllm.encode_abort(failed[1])), SendPurpose.ABORT)
+
+    def _on_peer_connected(self, event: PeerConnected, now: float) -> None:
+        if event.socket == "dispatch":
+            self.silent_connections.opened(event.conn, now, event.peer)
+
+    def _on_peer_disconnected(self, event: PeerDisconnected, now: float) -> None:
+        self.silent_connections.closed(event.conn)
+        rank = self.membership.connection_closed(event.conn)
+        if rank is not None and event.socket == "dispatch":
+            self._log(INFO, "dp_rank=%d: its dispatch connection closed; no new requests go "
+                      "there until a probe reaches it again", rank, key=f"lost:{rank}")
+
+    def _credit_pause(self, pause: float, now: float) -> None:
+        """The coordinator did not run for ``pause`` s: that is no engine's silence."""
+        self.membership.credit_pause(pause, now)
+        self.counters["coordinator.pauses"] += 1
+        self._record(now, KIND_MEMBERSHIP, "coordinator paused", seconds=round(pause, 3))
+        self._log(WARNING, "the coordinator did not run for %.1f s (stopped, frozen or "
+                  "starved); every lease was credited that time, and leases are judged again "
+                  "once what the engines sent meanwhile has been read", pause)
+        # Judge after the queued traffic is read: the readers run before the next tick.
+        self._next_lease_check = now + self._lease_interval_s
 
     # ---- timers ----------------------------------------------------------------------------
 
     def _check_leases(self, now: float) -> None:
-        """Probe quiet engines, then expire the leases nobody renewed (see core.liveness)."""
-        probed = liveness.ranks_to_probe(self.membership.leases(), now, self._quiet_after_s)
+        """Probe quiet, unreachable and revivable engines, then expire the leases nobody
+        renewed (see core.liveness); and count dispatch connections that never greeted."""
+        leases = self.membership.leases()
+        probed = liveness.ranks_to_probe(leases, now, self._quiet_after_s)
+        by_rank = {lease.rank: lease for lease in leases}
         for rank in probed:
             self.counters["lease.probes"] += 1
-            self._send("dispatch", rank_to_identity(rank), liveness.PROBE_FRAMES,
-                       SendPurpose.PROBE_LEASE, confirm=True)
+            self._probe(by_rank[rank], SendPurpose.PROBE_LEASE)
         for change in self.membership.expire(now, spare=probed):
             self._on_rank_changed(change, now)
+        for _conn, peer in self.silent_connections.overdue(now):
+            self.counters["dispatch.silent_connections"] += 1
+            self._log(WARNING, "a connection on dispatch%s has not greeted within %g s: an "
+                      "engine reconnecting after its connection dropped, or a second "
+                      "connection claiming a rank whose engine is connected (it gets nothing), "
+                      "or not an engine", f" from {peer}" if peer else "",
+                      self.silent_connections.grace_s, key="silent-dispatch")
 
     def _observe(self, now: float) -> None:
         self._apply_wave_actions(self.waves.on_timer(now), now, cause="unanswered wake retried",

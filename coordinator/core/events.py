@@ -11,7 +11,11 @@ with the protocol package's typed decoders and hands the core the result:
   (``HandshakeReceived``, ``FrontendRequestReceived``), or saying what
   happened (``EngineGreeted``, ``EngineSubscribed``, ``FrontendSubscribed``);
 * ``BadFrame`` when decoding failed, carrying the ``ProtocolError``: counting,
-  logging and any reply are the core's decision too.
+  logging and any reply are the core's decision too;
+* connection facts of ``handshake`` and ``dispatch``: the server numbers each
+  connection of those sockets (``conn``, never 0), says which one a HELLO,
+  READY or greeting came on, and reports ``PeerConnected`` and
+  ``PeerDisconnected``.
 
 Outcomes of sends come back as ``SendFailed`` (always) and ``SendSucceeded``
 (only for a ``Send`` the core marked ``confirm``), right after the send and
@@ -27,7 +31,7 @@ from typing import Literal, TypeAlias
 
 import msgspec
 
-from coordinator.core.actions import DispatchAdd, Send, SocketName
+from coordinator.core.actions import ConnectionSocket, DispatchAdd, Send, SocketName
 from coordinator.core.persisted import SavedState
 from coordinator.protocol import frontend as fp
 from coordinator.protocol import vllm
@@ -42,12 +46,31 @@ class HandshakeReceived(msgspec.Struct, frozen=True):
     identity: bytes
     rank: int
     message: vllm.HandshakeMessage
+    conn: int = 0
+    """The connection it came on (0: not known)."""
 
 
 class EngineGreeted(msgspec.Struct, frozen=True, gc=False):
-    """The engine holding ``rank`` spoke on the dispatch socket (its ready greeting)."""
+    """The engine holding ``rank`` spoke on the dispatch socket (its ready greeting),
+    on connection ``conn`` (0: not known)."""
 
     rank: int
+    conn: int = 0
+
+
+class PeerConnected(msgspec.Struct, frozen=True):
+    """Connection ``conn`` was accepted on ``socket``; ``peer`` says who it is from."""
+
+    socket: ConnectionSocket
+    conn: int
+    peer: str = ""
+
+
+class PeerDisconnected(msgspec.Struct, frozen=True, gc=False):
+    """Connection ``conn`` of ``socket`` closed (the peer left, or heartbeats cut it off)."""
+
+    socket: ConnectionSocket
+    conn: int
 
 
 class EngineSubscribed(msgspec.Struct, frozen=True, gc=False):
@@ -99,9 +122,12 @@ class SendFailed(msgspec.Struct, frozen=True):
 
 
 class SendSucceeded(msgspec.Struct, frozen=True):
-    """A ``Send`` marked ``confirm`` was handed to its socket."""
+    """A ``Send`` marked ``confirm`` was handed to its socket. ``heard_ago_s``: how long
+    ago anything (a heartbeat answer included) last arrived on the connection it named,
+    when the server can tell (tcp); None otherwise."""
 
     action: Send
+    heard_ago_s: float | None = None
 
 
 class Tick(msgspec.Struct, frozen=True, gc=False):
@@ -149,6 +175,8 @@ DUMP_RECORDER = DumpRecorder()
 Event: TypeAlias = (
     HandshakeReceived
     | EngineGreeted
+    | PeerConnected
+    | PeerDisconnected
     | vllm.EngineReport
     | EngineSubscribed
     | EngineUnsubscribed

@@ -18,33 +18,31 @@ Every registration gets an ``incarnation`` number, strictly increasing per
 rank, so that the server can tell a restarted engine from the one it replaced
 even when both use the same ZMQ identity.
 
-HELLO decides who holds a rank (``hello_verdict``). Whether the live holder's
-connection is still there is an input of its own: the caller may not know
-(``None``), and then learns it by probing the holder on the dispatch socket
-(an empty ABORT, which fails at once when the connection is gone) and asks
-again with the answer:
-
-=======================  ===============  ================  ===================================
-live holder's engine_id  new engine_id    holder reachable  verdict
-=======================  ===============  ================  ===================================
-(no live holder)         anything         -                 take: new lease, new incarnation
-None                     None             -                 take: a vLLM engine restarted
-X                        X (not None)     -                 duplicate: idempotent, renews lease
-X                        Y != X (either   unknown, holder   probe the holder first
-                         may be None,     greeted on
-                         not both)        dispatch
-X                        Y != X           yes, or unknown   refuse: ENGINE_ID_MISMATCH, with
-                                          and not greeted   the time left on the old lease
-X                        Y != X           no                take over: the holder's lease turns
-                                                            DEAD (disconnected), then take
-=======================  ===============  ================  ===================================
+HELLO decides who holds a rank: ``core.claims`` has the verdict, from the
+engine ids and connection facts (is the holder's HELLO connection, or the
+connection it greeted from on ``dispatch``, still open?). The server numbers
+the connections of ``handshake`` and ``dispatch``; this module remembers which
+ones each lease was seen on and hears when they close (``connection_closed``).
 
 After HELLO, a lease moves through the states of ``RankState`` by the events
 in ``NEXT_STATE``, a plain (state, event) -> next-state table. For the
 operator commands (cordon, uncordon, drain) and READY a missing row is a
 refusal; for the liveness events (disconnect, expire) a missing row means
-there is nothing to do. DEAD has no rows: a dead lease comes back only through
-a new HELLO, which makes a new incarnation.
+there is nothing to do.
+
+DEAD is a verdict on evidence, so it can be revised by evidence: a settled
+lease (READY, CORDONED or DRAINING) that died of silence or of a failed probe
+remembers the state it died in, and ``revive`` puts it back there, same
+incarnation, once its engine is reachable again (see ``core.liveness``). A
+lease released for a config-hash mismatch, one that died HANDSHAKING, and
+one replaced by a new HELLO do not come back: only a new HELLO, which makes a
+new incarnation, does.
+
+Leases are judged by what arrived, not by the coordinator's wall time: traffic
+renews a lease whatever its age (``touch``), a probe renews it only to the
+moment it proves the engine was heard (``renew``), and a pause of the
+coordinator itself is credited to every lease (``credit_pause``), so a stall
+longer than the TTL condemns nobody.
 
 A READY whose ``parallel_config_hash`` differs from the hash pinned by the
 group is refused and the rank is released (its lease turns DEAD): an engine
@@ -70,6 +68,7 @@ import math
 from collections.abc import Collection
 from dataclasses import dataclass
 
+from coordinator.core.claims import Greeting, HelloVerdict, hello_verdict, holder_connected
 from coordinator.protocol.errors import RankRangeError
 from coordinator.protocol.identity import MAX_RANK
 
@@ -77,6 +76,7 @@ __all__ = [
     "NEXT_STATE",
     "Accepted",
     "EngineLease",
+    "Greeting",
     "HelloVerdict",
     "LeaseEvent",
     "Membership",
@@ -86,6 +86,7 @@ __all__ = [
     "RefusalReason",
     "Refused",
     "hello_verdict",
+    "holder_connected",
     "is_alive",
 ]
 
@@ -97,7 +98,7 @@ class RankState(enum.Enum):
     READY = "ready"  # in the wave and eligible for dispatch
     DRAINING = "draining"  # in the wave, gets no new work, finishing what it has
     CORDONED = "cordoned"  # in the wave, gets no new work, until uncordoned
-    DEAD = "dead"  # gone; only a new HELLO brings the rank back
+    DEAD = "dead"  # gone; back on evidence of life (if it died settled) or a new HELLO
 
 
 class LeaseEvent(enum.Enum):
@@ -162,6 +163,7 @@ class RefusalReason(enum.Enum):
     RANK_OUT_OF_RANGE = "rank_out_of_range"
     ENGINE_ID_MISMATCH = "engine_id_mismatch"
     OUT_OF_ORDER = "out_of_order"
+    RANK_HELD = "rank_held"
     CONFIG_HASH_MISMATCH = "config_hash_mismatch"
     UNKNOWN_RANK = "unknown_rank"
     INVALID_TRANSITION = "invalid_transition"
@@ -181,6 +183,26 @@ class EngineLease:
     dispatch_connected: bool = False
     parallel_config_hash: str | None = None
     incarnation: int
+    protocol_version: int | None = None
+    """Set by this project's engine SDK in HELLO; such engines wait for ACCEPTED."""
+    handshake_conn: int = 0
+    """The connection that said HELLO (0: not known)."""
+    handshake_lost: bool = False
+    dispatch_conn: int = 0
+    """The connection the engine greeted from on ``dispatch`` (0: not known)."""
+    dispatch_closed: bool = False
+    """That connection closed."""
+    dispatch_lost: bool = False
+    """Not reachable there (its connection closed, a probe missed it, or it carried
+    nothing lately) since a probe last heard it: no new requests go there."""
+    dispatch_claimed_by: int = 0
+    """Another connection that greeted for this rank and is still open (a second claim)."""
+    died_from: RankState | None = None
+    """The settled state a DEAD lease died in, while it may still be revived."""
+
+    @property
+    def handshaking(self) -> bool:
+        return self.state is RankState.HANDSHAKING
 
 
 @dataclass(frozen=True)
@@ -221,36 +243,6 @@ class ProbeHolder:
 
     rank: int
     holder: EngineLease
-
-
-class HelloVerdict(enum.Enum):
-    TAKE = "take"
-    DUPLICATE = "duplicate"
-    MISMATCH = "mismatch"
-    PROBE_HOLDER = "probe_holder"
-    TAKE_OVER = "take_over"
-
-
-def hello_verdict(
-    holder: EngineLease | None, engine_id: str | None, holder_reachable: bool | None = True
-) -> HelloVerdict:
-    """What a HELLO carrying ``engine_id`` does to a rank whose live lease is ``holder``.
-
-    ``holder_reachable`` is whether the holder's connection is still there (None:
-    not known yet). It matters only when the engine ids disagree.
-    """
-    if holder is None:
-        return HelloVerdict.TAKE
-    if holder.engine_id is None and engine_id is None:
-        # vLLM engines carry no id and say HELLO once per process: a new HELLO
-        # can only come from a new process, so it takes over.
-        return HelloVerdict.TAKE
-    if holder.engine_id == engine_id:
-        return HelloVerdict.DUPLICATE
-    if holder_reachable is None:
-        # Only a holder that greeted on dispatch can be probed there.
-        return HelloVerdict.PROBE_HOLDER if holder.dispatch_connected else HelloVerdict.MISMATCH
-    return HelloVerdict.MISMATCH if holder_reachable else HelloVerdict.TAKE_OVER
 
 
 def is_alive(lease: EngineLease, now: float | None, lease_ttl_s: float) -> bool:
@@ -297,6 +289,8 @@ class Membership:
         self._dispatchable: list[int] | None = None
         # Outlives the leases (and resizes), so incarnations never repeat per rank.
         self._last_incarnation: dict[int, int] = {}
+        # Open connections a lease was seen on (conn id -> rank), to act on their closing.
+        self._conns: dict[int, int] = {}
 
     @property
     def rank_start(self) -> int:
@@ -334,7 +328,8 @@ class Membership:
         return [dataclasses.replace(self._leases[r]) for r in sorted(self._leases)]
 
     def dispatchable(self, *, now: float | None = None) -> list[int]:
-        """Ranks that may get new requests: READY, greeted on dispatch, alive; ascending.
+        """Ranks that may get new requests: READY, greeted on dispatch and reachable there
+        (not lost, not claimed by another connection), alive; ascending.
 
         Without ``now`` the lease TTL is not checked (the server's ``expire``
         timer keeps DEAD states current); with it, stale leases are left out too.
@@ -346,6 +341,8 @@ class Membership:
             for rank in sorted(self._leases)
             if (lease := self._leases[rank]).state is RankState.READY
             and lease.dispatch_connected
+            and not lease.dispatch_lost
+            and not lease.dispatch_claimed_by
             and self._alive(lease, now)
         ]
         if now is None:
@@ -374,19 +371,25 @@ class Membership:
         local: bool,
         headless: bool,
         now: float,
-        holder_reachable: bool | None = True,
+        holder_reachable: bool | None = None,
+        conn: int = 0,
+        protocol_version: int | None = None,
     ) -> Accepted | Refused | ProbeHolder:
-        """An engine asks for ``rank`` (handshake HELLO); see ``hello_verdict``.
+        """An engine asks for ``rank`` (handshake HELLO) on connection ``conn``; see
+        ``hello_verdict``.
 
-        ``holder_reachable=None`` lets the answer be ``ProbeHolder`` when the verdict
-        depends on whether the live holder is still connected.
+        ``holder_reachable`` is a probe's answer about the live holder; None decides
+        by connection facts, and the answer is ``ProbeHolder`` when they cannot tell.
         """
         out_of_range = self.check_rank(rank)
         if out_of_range is not None:
             return out_of_range
         previous = self._leases.get(rank)
         holder = previous if previous is not None and self._alive(previous, now) else None
-        verdict = hello_verdict(holder, engine_id, holder_reachable)
+        connected = holder_reachable
+        if holder is not None and connected is None:
+            connected = holder_connected(holder)
+        verdict = hello_verdict(holder, engine_id, connected)
         released: RankChanged | None = None
         if holder is not None:
             if verdict is HelloVerdict.MISMATCH:
@@ -394,13 +397,18 @@ class Membership:
                     RefusalReason.ENGINE_ID_MISMATCH,
                     self._mismatch_message(holder, engine_id, now),
                 )
+            if verdict is HelloVerdict.RANK_HELD:
+                return Refused(RefusalReason.RANK_HELD, self._held_message(holder, now))
             if verdict is HelloVerdict.PROBE_HOLDER:
                 return ProbeHolder(rank, dataclasses.replace(holder))
             if verdict is HelloVerdict.DUPLICATE:
                 holder.last_seen = now
+                self._bind(holder, conn, dispatch=False)
                 return Accepted(dataclasses.replace(holder), duplicate=True)
             if verdict is HelloVerdict.TAKE_OVER:
                 released = self.disconnected(rank, now)[0]
+        if previous is not None:
+            self._unbind(previous)
         incarnation = self._last_incarnation.get(rank, 0) + 1
         self._last_incarnation[rank] = incarnation
         fresh = EngineLease(
@@ -412,15 +420,17 @@ class Membership:
             local=local,
             headless=headless,
             incarnation=incarnation,
+            protocol_version=protocol_version,
         )
         self._leases[rank] = fresh
+        self._bind(fresh, conn, dispatch=False)
         self._dispatchable = None
         return Accepted(dataclasses.replace(fresh), replaced=previous, released=released)
 
     def ready(
-        self, rank: int, *, parallel_config_hash: str | None, now: float
+        self, rank: int, *, parallel_config_hash: str | None, now: float, conn: int = 0
     ) -> Accepted | Refused:
-        """The engine holding ``rank`` finished starting up (handshake READY)."""
+        """The engine holding ``rank`` finished starting up (handshake READY on ``conn``)."""
         out_of_range = self.check_rank(rank)
         if out_of_range is not None:
             return out_of_range
@@ -458,6 +468,7 @@ class Membership:
         ):
             # The rank is released rather than kept: this engine can never join.
             lease.state = RankState.DEAD
+            lease.died_from = None
             self._dispatchable = None
             return Refused(
                 RefusalReason.CONFIG_HASH_MISMATCH,
@@ -473,25 +484,90 @@ class Membership:
         self._dispatchable = None
         lease.parallel_config_hash = parallel_config_hash
         lease.last_seen = now
+        self._bind(lease, conn, dispatch=False)
         return Accepted(dataclasses.replace(lease))
 
     # -- liveness --------------------------------------------------------------
 
-    def greeted(self, rank: int, now: float) -> bool:
-        """The engine's greeting arrived on the dispatch socket; False if no live lease."""
+    def greeted(self, rank: int, now: float, conn: int = 0) -> Greeting:
+        """A greeting for ``rank`` arrived on ``dispatch`` from connection ``conn``."""
         lease = self._leases.get(rank)
         if lease is None or not self._alive(lease, now):
-            return False
+            return Greeting.UNREGISTERED
+        if conn and lease.dispatch_conn and conn != lease.dispatch_conn:
+            # An engine greets once per connection and never again after a reconnect:
+            # a greeting from another connection is someone else's.
+            lease.dispatch_claimed_by = conn
+            self._conns[conn] = rank
+            self._dispatchable = None
+            return Greeting.SECOND_CLAIM
+        bound = conn != 0 and lease.dispatch_conn == 0
         lease.dispatch_connected = True
-        self._dispatchable = None
+        lease.dispatch_lost = False
         lease.last_seen = now
-        return True
+        self._bind(lease, conn, dispatch=True)
+        self._dispatchable = None
+        return Greeting.BOUND if bound else Greeting.REPEATED
 
     def touch(self, rank: int, now: float) -> None:
-        """Traffic from ``rank`` renews its live lease; a lease past its TTL stays expired."""
+        """Traffic from ``rank`` renews its lease, however old; a DEAD lease stays DEAD."""
         lease = self._leases.get(rank)
-        if lease is not None and self._alive(lease, now):
+        if lease is not None and lease.state is not RankState.DEAD:
             lease.last_seen = now
+
+    def renew(self, rank: int, heard_at: float) -> None:
+        """A probe reached ``rank``'s engine, which proves it was heard at ``heard_at``."""
+        lease = self._leases.get(rank)
+        if lease is None or lease.state is RankState.DEAD:
+            return
+        lease.last_seen = max(lease.last_seen, heard_at)
+        if lease.dispatch_lost:
+            lease.dispatch_lost = False
+            self._dispatchable = None
+
+    def mark_unreachable(self, rank: int) -> None:
+        """Nobody holds ``rank``'s identity on ``dispatch`` now: no new requests go there."""
+        lease = self._leases.get(rank)
+        if lease is not None and not lease.dispatch_lost:
+            lease.dispatch_lost = True
+            self._dispatchable = None
+
+    def revive(self, rank: int, heard_at: float, cause: str) -> RankChanged | None:
+        """A DEAD lease that died settled is back (same incarnation): its engine was heard
+        at ``heard_at``. None when the lease cannot be revived."""
+        lease = self._leases.get(rank)
+        if lease is None or lease.state is not RankState.DEAD or lease.died_from is None:
+            return None
+        state, lease.died_from = lease.died_from, None
+        lease.state = state
+        lease.last_seen = max(lease.last_seen, heard_at)
+        lease.dispatch_lost = False
+        self._dispatchable = None
+        return RankChanged(rank, RankState.DEAD, state, cause)
+
+    def connection_closed(self, conn: int) -> int | None:
+        """A connection a lease was seen on closed; returns the rank whose lease it was."""
+        rank = self._conns.pop(conn, None)
+        lease = None if rank is None else self._leases.get(rank)
+        if lease is None:
+            return None
+        if conn == lease.handshake_conn:
+            lease.handshake_lost = True
+        if conn == lease.dispatch_conn:
+            lease.dispatch_closed = lease.dispatch_lost = True
+        if conn == lease.dispatch_claimed_by:
+            # The identity is free again; whoever holds it next must answer a probe.
+            lease.dispatch_claimed_by = 0
+            lease.dispatch_lost = True
+        self._dispatchable = None
+        return rank
+
+    def credit_pause(self, seconds: float, now: float) -> None:
+        """The coordinator itself did not run for ``seconds``: that time is nobody's
+        silence, so every live lease's last sighting moves on by it."""
+        for lease in self._leases.values():
+            if lease.state is not RankState.DEAD:
+                lease.last_seen = min(now, lease.last_seen + seconds)
 
     def disconnected(
         self, rank: int, now: float, *, incarnation: int | None = None
@@ -508,13 +584,15 @@ class Membership:
         cause = f"engine disconnected (last seen {age} s ago)"
         return self._apply(lease, LeaseEvent.DISCONNECT, cause)
 
-    def expire(self, now: float, *, spare: Collection[int] = ()) -> list[RankChanged]:
+    def expire(self, now: float, *, spare: Collection[int] = (),
+               only: Collection[int] | None = None) -> list[RankChanged]:
         """Leases not renewed within the TTL turn DEAD, except those of ``spare``
-        (ranks being probed right now: their probe's answer decides)."""
+        (ranks being probed right now: their probe's answer decides); with ``only``,
+        just those ranks are looked at."""
         changes: list[RankChanged] = []
-        for rank in sorted(self._leases):
-            lease = self._leases[rank]
-            if rank in spare:
+        for rank in sorted(self._leases) if only is None else sorted(only):
+            lease = self._leases.get(rank)
+            if lease is None or rank in spare:
                 continue
             if lease.state is not RankState.DEAD and not self._alive(lease, now):
                 age = _seconds(now - lease.last_seen)
@@ -623,8 +701,27 @@ class Membership:
             return []
         old = lease.state
         lease.state = new
+        # Death by silence or disconnect is a verdict on evidence: a settled lease may
+        # be revived by evidence of life.
+        lease.died_from = old if old in _JOINED else None
         self._dispatchable = None
         return [RankChanged(lease.rank, old, new, cause)]
+
+    def _bind(self, lease: EngineLease, conn: int, *, dispatch: bool) -> None:
+        if not conn:
+            return
+        if dispatch:
+            lease.dispatch_conn = conn
+        else:
+            if lease.handshake_conn and lease.handshake_conn != conn:
+                self._conns.pop(lease.handshake_conn, None)
+            lease.handshake_conn, lease.handshake_lost = conn, False
+        self._conns[conn] = lease.rank
+
+    def _unbind(self, lease: EngineLease) -> None:
+        for conn in (lease.handshake_conn, lease.dispatch_conn, lease.dispatch_claimed_by):
+            if conn and self._conns.get(conn) == lease.rank:
+                del self._conns[conn]
 
     def _pinned_hash(self, now: float) -> str | None:
         """The group's hash, while a live lease that passed READY still carries one."""
@@ -668,12 +765,27 @@ class Membership:
 
     def _mismatch_message(self, holder: EngineLease, engine_id: str | None, now: float) -> str:
         rank = holder.rank
-        age = _seconds(now - holder.last_seen)
-        left = _seconds(holder.last_seen + self._ttl(holder) - now)
         return (
             f"Engine ID mismatch for dp_rank={rank}: expected {holder.engine_id}, "
             f"got {engine_id}. dp_rank={rank} is held by a live engine "
-            f"({holder.state.value}, incarnation {holder.incarnation}, last seen {age} s "
-            f"ago). Stop the old engine, or wait until its lease expires in {left} s; it "
-            f"is replaced automatically then, when this engine says HELLO again."
+            f"({self._holder_facts(holder, now)}). Stop the old engine: its rank is freed "
+            f"as soon as its connections are gone, and this engine is accepted when it "
+            f"says HELLO again."
+        )
+
+    def _held_message(self, holder: EngineLease, now: float) -> str:
+        rank = holder.rank
+        return (
+            f"dp_rank={rank} is held by a live engine ({self._holder_facts(holder, now)}), "
+            f"and neither engine has an engine_id to tell whether they are the same. Stop "
+            f"the old engine: its rank is freed as soon as its connections are gone, and "
+            f"this engine is accepted when it says HELLO again; or give this engine "
+            f"another rank."
+        )
+
+    def _holder_facts(self, holder: EngineLease, now: float) -> str:
+        age = _seconds(now - holder.last_seen)
+        return (
+            f"{holder.state.value}, incarnation {holder.incarnation}, still connected, "
+            f"last seen {age} s ago"
         )

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import itertools
 import logging
 import os
 import random
@@ -29,8 +30,11 @@ from typing import Any
 
 import zmq
 
+from coordinator.core import liveness
 from coordinator.core.actions import (
     Action,
+    CloseConnection,
+    ConnectionSocket,
     DispatchAdd,
     Log,
     Publish,
@@ -54,11 +58,12 @@ from coordinator.core.events import (
 )
 from coordinator.protocol import vllm
 from coordinator.server.config import ServerConfig
+from coordinator.server.connections import PeerConnections
 from coordinator.server.curve import CurveServer
 from coordinator.server.http import HttpEndpoints
 from coordinator.server.meeting_point import build_parallel_config
 from coordinator.server.observe import ObservedPusher, ObservedState
-from coordinator.server.planes import DECODERS, Decoder
+from coordinator.server.planes import DECODERS, SOURCED_DECODERS, Decoder
 from coordinator.server.statefile import load_state, save_state
 from coordinator.server.timers import CoreTimer
 from coordinator.server.transport import (
@@ -72,6 +77,9 @@ from coordinator.server.transport import (
 )
 
 log = logging.getLogger("coordinator.server")
+
+# Sockets whose connections are numbered and watched (server.connections).
+MONITORED: Mapping[str, ConnectionSocket] = {"handshake": "handshake", "dispatch": "dispatch"}
 
 
 def core_config(cfg: ServerConfig) -> CoreConfig:
@@ -107,6 +115,9 @@ class CoordinatorServer:
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._sockets: dict[str, zmq.Socket[bytes]] = {}
         self._readers: dict[str, FrameReader] = {}
+        # Connection facts of the sockets whose peers claim ranks (server.connections).
+        self._connections: dict[str, PeerConnections] = {}
+        self._conn_ids = itertools.count(1)
         self._ratelog = RateLimitedLog(log, interval_s=config.log_interval_s, clock=clock)
         self._observer = ObservedPusher(self.core, self._update_http, clock)
         self._timer = CoreTimer(self.core, self.execute, clock=clock,
@@ -122,12 +133,15 @@ class CoordinatorServer:
             SetLinger: self._run_set_linger,
             RefreshObserved: self._run_refresh,
             RearmTimer: self._run_rearm,
+            CloseConnection: self._run_close_connection,
         }
         # One handler per socket: frames in, actions carried out.
         self.frame_handlers: dict[str, FrameHandler] = {
             key: self._feeder(decode) for key, decode in DECODERS.items()
         }
         self.frame_handlers["back_output"] = self._stats_feeder()
+        for key in MONITORED:
+            self.frame_handlers[key] = self._sourced_feeder(key)
 
     # ---- setup and teardown -------------------------------------------------
 
@@ -143,11 +157,9 @@ class CoordinatorServer:
                 self._owns_ipc_dir = True
         ipc_dir = self._ipc_dir or ""
         self._ctx = zmq.Context()
-        configure = None
         if cfg.curve_secret_key is not None and cfg.curve_clients_dir is not None:
             self.curve = CurveServer(self._ctx, cfg.curve_secret_key, cfg.curve_clients_dir)
             self.curve.start()
-            configure = self.curve.configure_socket
         try:
             for index, (key, kind, options) in enumerate(self._socket_specs()):
                 port = cfg.port_base + index if cfg.port_base is not None else 0
@@ -156,8 +168,7 @@ class CoordinatorServer:
                 )
                 sock, resolved = bind_socket(
                     self._ctx, kind, endpoint, max_message_bytes=cfg.max_message_bytes,
-                    options=options,
-                    configure=configure if endpoint.startswith("tcp://") else None,
+                    options=options, configure=self._configurer(key, endpoint),
                 )
                 self._sockets[key] = sock
                 self.addresses[key] = resolved
@@ -179,26 +190,53 @@ class CoordinatorServer:
             write_address_file(cfg.addr_file, self.addresses)
         return dict(self.addresses)
 
+    def _configurer(self, key: str, endpoint: str) -> Callable[[zmq.Socket[bytes]], None]:
+        """What is set on socket ``key`` before it binds: CURVE on tcp, and the monitor of a
+        socket whose peers claim ranks (so that no connection is missed)."""
+        curve = self.curve if endpoint.startswith("tcp://") else None
+
+        def configure(sock: zmq.Socket[bytes]) -> None:
+            if curve is not None:
+                curve.configure_socket(sock)
+            if key in MONITORED:
+                self._connections[key] = PeerConnections(sock, MONITORED[key], self._conn_ids,
+                                                         self._feed)
+
+        return configure
+
     def _socket_specs(self) -> list[tuple[str, int, list[tuple[int, int]]]]:
         """The six sockets in bind order (``--port-base`` counts in this order)."""
-        # ZMTP heartbeats: a tcp peer that stops answering is disconnected, which turns
-        # a silent network failure into a failed probe within the lease TTL.
-        ttl_ms = int(self.config.lease_ttl_s * 1000)
-        heartbeats = [(zmq.HEARTBEAT_IVL, max(100, ttl_ms // 4)), (zmq.HEARTBEAT_TIMEOUT, ttl_ms)]
+        # ZMTP heartbeats: a peer that stops answering (a host cut off, a frozen process)
+        # is disconnected, so an open connection proves its engine was heard within
+        # liveness.heard_within_s (core.liveness says why the numbers are what they are).
+        ttl = self.config.lease_ttl_s
+        pings = [(zmq.HEARTBEAT_IVL, int(liveness.heartbeat_ivl_s(ttl) * 1000))]
+        timeout_ms = int(liveness.heartbeat_timeout_s(ttl) * 1000)
+        heartbeats = [*pings, (zmq.HEARTBEAT_TIMEOUT, timeout_ms)]
+        # A dispatch connection over tcp is not dropped for silence (only after
+        # liveness.TCP_SILENCE_LIMIT_S, a backstop): a drop cannot reach a host cut off by
+        # a partition, whose engine would then never reconnect; what arrived on it is
+        # read from the kernel instead. (Without a timeout libzmq would use the interval.)
+        limit_ms = int(liveness.TCP_SILENCE_LIMIT_S * 1000)
+        tcp_pings = [*pings, (zmq.HEARTBEAT_TIMEOUT, limit_ms)]
+        dispatch = tcp_pings if self._tcp("dispatch") else heartbeats
         return [
-            # No ROUTER_HANDOVER here: it would cut off an engine mid-handshake whenever a
-            # second process claims its rank, losing the first one's READY. The second is
-            # then refused by libzmq itself, silently (see docs/vllm.md).
-            # Heartbeats drop a half-open tcp connection (a host that died mid-handshake)
-            # that would otherwise keep the rank's identity and turn its restart away.
+            # No ROUTER_HANDOVER on either: a rank's identity belongs to the first live
+            # connection that carries it, and libzmq turns a second one away, silently,
+            # until the first is gone (core.claims; docs/OPERATIONS.md). With handover, any
+            # connection carrying a live rank's identity would take its requests.
             ("handshake", zmq.ROUTER, [(zmq.ROUTER_MANDATORY, 1), *heartbeats]),
-            ("dispatch", zmq.ROUTER, [(zmq.ROUTER_MANDATORY, 1), (zmq.ROUTER_HANDOVER, 1),
-                                      (zmq.SNDHWM, 0), *heartbeats]),
+            ("dispatch", zmq.ROUTER, [(zmq.ROUTER_MANDATORY, 1), (zmq.SNDHWM, 0),
+                                      *dispatch]),
             ("back_output", zmq.PULL, [(zmq.RCVHWM, 0)]),
             ("back_publish", zmq.XPUB, [(zmq.XPUB_VERBOSE, 1)]),
             ("front_publish", zmq.XPUB, [(zmq.XPUB_VERBOSE, 1)]),
             ("frontend", zmq.ROUTER, [(zmq.ROUTER_MANDATORY, 1), (zmq.ROUTER_HANDOVER, 1)]),
         ]
+
+    def _tcp(self, key: str) -> bool:
+        override = self.config.bind_overrides.get(key)
+        return override.startswith("tcp://") if override else self.config.host is not None
 
     def close(self) -> None:
         if self.config.state_file is not None and self._serving:
@@ -207,6 +245,9 @@ class CoordinatorServer:
         if self.http is not None:
             self.http.stop()
             self.http = None
+        for connections in self._connections.values():
+            connections.close()
+        self._connections.clear()
         for sock in self._sockets.values():
             sock.close()
         self._sockets.clear()
@@ -240,11 +281,16 @@ class CoordinatorServer:
         gc.freeze()
         if self.http is not None:
             self._observer.push(force=True)
-        self._readers = {
-            key: FrameReader(self._sockets[key], handler, name=key,
-                             on_error=self._handler_failed)
-            for key, handler in self.frame_handlers.items()
-        }
+        self._readers = {}
+        for key, handler in self.frame_handlers.items():
+            connections = self._connections.get(key)
+            self._readers[key] = FrameReader(
+                self._sockets[key], handler, name=key, on_error=self._handler_failed,
+                source=connections.source if connections else None)
+        for key, connections in self._connections.items():
+            self._readers[f"{key}.monitor"] = FrameReader(
+                connections.monitor, self._monitor_feeder(connections),
+                name=f"{key}.monitor", on_error=self._handler_failed)
         tasks = [asyncio.ensure_future(reader.run()) for reader in self._readers.values()]
         tasks.append(asyncio.ensure_future(self._timer.run()))
         stopper = asyncio.ensure_future(stop.wait())
@@ -294,6 +340,25 @@ class CoordinatorServer:
                 execute(actions)
 
         return on_frames
+
+    def _sourced_feeder(self, key: str) -> FrameHandler:
+        """``handshake`` and ``dispatch``: each event names the connection it came on."""
+        decode, handle = SOURCED_DECODERS[key], self.core.handle
+        clock, execute = self.clock, self.execute
+
+        def on_frames(frames: list[bytes]) -> None:
+            connections = self._connections.get(key)
+            actions = handle(decode(frames, connections.current if connections else 0),
+                             clock())
+            if actions:
+                execute(actions)
+            if connections is not None:
+                connections.message_done()
+
+        return on_frames
+
+    def _monitor_feeder(self, connections: PeerConnections) -> FrameHandler:
+        return connections.on_monitor_message
 
     def _feed(self, event: Event) -> None:
         self.execute(self.core.handle(event, self.clock()))
@@ -346,7 +411,15 @@ class CoordinatorServer:
         if failure is not None:
             self._report(SendFailed(action, failure))
         elif action.confirm:
-            self._report(SendSucceeded(action))
+            connections = self._connections.get(action.socket) if action.conn else None
+            heard = connections.heard_ago(action.conn) if connections is not None else None
+            self._report(SendSucceeded(action, heard))
+
+    def _run_close_connection(self, action: CloseConnection) -> None:
+        connections = self._connections.get(action.socket)
+        if connections is not None and connections.cut(action.conn):
+            log.info("cut a stale connection on %s that still held an identity",
+                     action.socket)
 
     def _run_dispatch_add(self, action: DispatchAdd) -> None:
         failure = self._send_frames("dispatch", [action.engine, vllm.ADD, *action.payload])

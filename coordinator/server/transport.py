@@ -94,6 +94,9 @@ class FrameReader:
     send included: a send from another task while this reader sleeps can swallow
     the edge of a message that arrived meanwhile, and the reader would never wake.
     Whoever sends on a read socket must therefore call `poke()` afterwards.
+
+    With `source`, each message's connection is given first: `source` gets the
+    file descriptor its last frame came on (`zmq.SRCFD`).
     """
 
     def __init__(
@@ -104,12 +107,14 @@ class FrameReader:
         name: str,
         on_error: Callable[[str, BaseException], None],
         batch: int = 128,
+        source: Callable[[int], None] | None = None,
     ) -> None:
         self._sock = sock
         self._handler = handler
         self._name = name
         self._on_error = on_error
         self._batch = batch
+        self._source = source
         self._readable = asyncio.Event()
         self._fd = int(sock.getsockopt(zmq.FD))
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -131,7 +136,7 @@ class FrameReader:
     async def _pump(self) -> None:
         sock = self._sock
         recv = sock.recv
-        handler = self._handler
+        handler, source = self._handler, self._source
         while True:
             count = 0
             while count < self._batch:
@@ -147,6 +152,8 @@ class FrameReader:
                     frames.append(frame.bytes)
                 count += 1
                 try:
+                    if source is not None:
+                        source(int(frame.get(zmq.SRCFD)))
                     handler(frames)
                 except Exception as exc:  # a bug must not stop the socket
                     self._on_error(self._name, exc)

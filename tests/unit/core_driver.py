@@ -18,6 +18,7 @@ from typing import Any
 
 from coordinator.core.actions import (
     Action,
+    CloseConnection,
     DispatchAdd,
     Log,
     Publish,
@@ -37,6 +38,8 @@ from coordinator.core.events import (
     Event,
     FrontendRequestReceived,
     HandshakeReceived,
+    PeerConnected,
+    PeerDisconnected,
     SendFailed,
     SendSucceeded,
 )
@@ -68,6 +71,11 @@ class Driver:
     now: float = 0.0
     unreachable: set[tuple[str, bytes]] = field(default_factory=set)
     """(socket, identity) pairs whose sends fail as 'unreachable'."""
+    last_heard: dict[tuple[str, bytes], float] = field(default_factory=dict)
+    """(socket, identity) -> when anything last arrived on its connection, reported with
+    a confirmed send that names one, as the server measures tcp connections."""
+    cut: list[tuple[str, int]] = field(default_factory=list)
+    """Connections the core asked to cut (CloseConnection)."""
     sends: list[tuple[str, bytes, list[bytes]]] = field(default_factory=list)
     publishes: list[tuple[str, list[bytes]]] = field(default_factory=list)
     logs: list[Log] = field(default_factory=list)
@@ -119,7 +127,9 @@ class Driver:
                 return
             self.sends.append((action.socket, action.identity, list(action.frames)))
             if action.confirm:
-                self._report(SendSucceeded(action))
+                at = self.last_heard.get((action.socket, action.identity))
+                heard = None if at is None or not action.conn else self.now - at
+                self._report(SendSucceeded(action, heard))
         elif isinstance(action, DispatchAdd):
             if ("dispatch", action.engine) in self.unreachable:
                 self._report(SendFailed(action, "unreachable"))
@@ -140,21 +150,33 @@ class Driver:
             self.refreshes += 1
         elif isinstance(action, RearmTimer):
             self.rearms += 1
+        elif isinstance(action, CloseConnection):
+            self.cut.append((action.socket, action.conn))
         else:  # pragma: no cover - a new action type must be handled here
             raise AssertionError(f"unknown action {action!r}")
 
     # ---- engines ---------------------------------------------------------------------------
 
-    def hello(self, rank: int, engine_id: str | None = None, **fields: Any) -> None:
+    def hello(self, rank: int, engine_id: str | None = None, *, conn: int = 0,
+              **fields: Any) -> None:
+        # An engine with an id is this project's SDK, which also sends its protocol version.
+        fields.setdefault("protocol_version", None if engine_id is None else 1)
         message = vllm.HandshakeMessage("HELLO", engine_id=engine_id, **fields)
-        self.feed(HandshakeReceived(rank_to_identity(rank), rank, message))
+        self.feed(HandshakeReceived(rank_to_identity(rank), rank, message, conn))
 
-    def ready(self, rank: int, config_hash: str | None = None) -> None:
+    def ready(self, rank: int, config_hash: str | None = None, *, conn: int = 0) -> None:
         message = vllm.HandshakeMessage("READY", parallel_config_hash=config_hash)
-        self.feed(HandshakeReceived(rank_to_identity(rank), rank, message))
+        self.feed(HandshakeReceived(rank_to_identity(rank), rank, message, conn))
 
-    def greet(self, rank: int) -> None:
-        self.feed(EngineGreeted(rank))
+    def greet(self, rank: int, *, conn: int = 0) -> None:
+        self.feed(EngineGreeted(rank, conn))
+
+    def connected(self, socket: Any, conn: int, peer: str = "") -> None:
+        """Connection ``conn`` was accepted on ``socket`` ("handshake" or "dispatch")."""
+        self.feed(PeerConnected(socket, conn, peer))
+
+    def disconnected(self, socket: Any, conn: int) -> None:
+        self.feed(PeerDisconnected(socket, conn))
 
     def subscribe(self, times: int = 1) -> None:
         for _ in range(times):
@@ -182,6 +204,19 @@ class Driver:
                                            wave_complete=wave_complete, start_wave=start_wave))
 
     def tick(self, now: float) -> None:
+        """Let the clock run to ``now``, ticking at every deadline on the way as the
+        server's timer does, then at ``now`` itself."""
+        for _ in range(100_000):
+            due = self.core.next_deadline()
+            if due >= now:
+                break
+            self.feed(TICK, max(self.now, due))
+        else:  # pragma: no cover - deadlines that never advance are a bug
+            raise AssertionError("the core's deadlines do not advance")
+        self.feed(TICK, now)
+
+    def stall(self, now: float) -> None:
+        """The coordinator did not run until ``now`` (stopped, frozen): one late tick."""
         self.feed(TICK, now)
 
     # ---- frontends -------------------------------------------------------------------------

@@ -35,6 +35,8 @@ from hypothesis.stateful import (
     rule,
 )
 
+from coordinator.core import liveness
+from coordinator.core.events import TICK
 from coordinator.core.membership import RankState
 from coordinator.protocol import frontend as fp
 from coordinator.protocol import vllm
@@ -120,6 +122,20 @@ class CoreGroup(RuleBasedStateMachine):
     def live(self, engine: Engine) -> bool:
         return engine.phase != "dead"
 
+    def greet(self, rank: int) -> None:
+        self.engines[rank].greeted = True
+        self.driver.unreachable.discard(("dispatch", rank_to_identity(rank)))
+        self.driver.greet(rank)
+
+    def ready_accepted(self, rank: int, before: int) -> bool:
+        """READY went through: the SDK engine got ACCEPTED; a stock one gets no reply."""
+        replies = self.driver.handshake_replies(rank)[before:]
+        if self.engines[rank].engine_id is not None:
+            return replies == [vllm.HandshakeAccepted()]
+        assert not any(isinstance(r, vllm.HandshakeAccepted) for r in replies)
+        lease = self.core.membership.lease(rank)
+        return not replies and lease is not None and lease.state is RankState.READY
+
     def connection(self, index: int) -> bytes:
         return self.frontend_connections.setdefault(index, bytes([0, 0xFE, index, 0]))
 
@@ -194,13 +210,13 @@ class CoreGroup(RuleBasedStateMachine):
                 if any(isinstance(r, vllm.EngineHandshakeMetadata) for r in replies):
                     engine.phase = "init"
             if engine.phase == "init":
+                before = len(self.driver.handshake_replies(rank))
                 self.driver.ready(rank)
-                if self.driver.handshake_replies(rank)[-1] == vllm.HandshakeAccepted():
+                if self.ready_accepted(rank, before):
                     engine.phase = "ready"
             if engine.phase == "ready":
                 if not engine.greeted:
-                    engine.greeted = True
-                    self.driver.greet(rank)
+                    self.greet(rank)
                 if not engine.subscribed:
                     engine.subscribed = True
                     self.driver.subscribe()
@@ -220,8 +236,7 @@ class CoreGroup(RuleBasedStateMachine):
             return
         before = len(self.driver.handshake_replies(rank))
         self.driver.ready(rank)
-        replies = self.driver.handshake_replies(rank)[before:]
-        if engine.phase == "init" and replies == [vllm.HandshakeAccepted()]:
+        if engine.phase == "init" and self.ready_accepted(rank, before):
             engine.phase = "ready"
 
     @rule(data=st.data())
@@ -231,8 +246,7 @@ class CoreGroup(RuleBasedStateMachine):
         if engine.phase != "ready":
             return
         if not engine.greeted:
-            engine.greeted = True
-            self.driver.greet(rank)
+            self.greet(rank)
         elif not engine.subscribed:
             engine.subscribed = True
             self.driver.subscribe()
@@ -269,7 +283,8 @@ class CoreGroup(RuleBasedStateMachine):
             return
         generation = old.generation + 1
         self.engines[rank] = Engine(rank, generation, None if stock else f"e{rank}.{generation}")
-        self.driver.unreachable.discard(("dispatch", rank_to_identity(rank)))
+        # Its dispatch socket connects only after its INIT: until it greets, nobody holds
+        # the rank's identity there, and the old incarnation cannot be revived by it.
         self.driver.unreachable.discard(("handshake", rank_to_identity(rank)))
 
     @rule(data=st.data())
@@ -375,7 +390,42 @@ class CoreGroup(RuleBasedStateMachine):
 
     @rule(step=st.sampled_from([0.0, 0.1, 0.3, 1.1, 2.5, 3.5]))
     def time_passes(self, step: float) -> None:
-        self.driver.tick(self.driver.now + step)
+        # Tick at every deadline on the way, looking at the output after each, so that
+        # what was sent is stamped with when it was sent.
+        target = self.driver.now + step
+        while self.core.next_deadline() < target:
+            self.driver.feed(TICK, max(self.driver.now, self.core.next_deadline()))
+            self.check_new_output()
+        self.driver.feed(TICK, target)
+
+    @rule()
+    def a_dead_rank_whose_engine_lives_comes_back(self) -> None:
+        """Dead is revisable: an engine that never stopped, reachable again on dispatch
+        after a blip that killed its lease, is ready again once the timer ran twice."""
+        back = []
+        for rank, engine in self.engines.items():
+            lease = self.core.membership.lease(rank)
+            if (self.live(engine) and engine.greeted and engine.engine_id is not None
+                    and ("dispatch", rank_to_identity(rank)) not in self.driver.unreachable
+                    and lease is not None and lease.engine_id == engine.engine_id
+                    and lease.state is RankState.DEAD and lease.died_from is not None):
+                back.append(rank)
+        if not back:
+            return
+        self.time_passes(2 * liveness.check_interval_s(self.core.config.lease_ttl_s) + 0.01)
+        for rank in back:
+            event("a dead rank revived")
+            assert self.core.membership.lease(rank).state is not RankState.DEAD, rank  # type: ignore[union-attr]
+
+    @rule(seconds=st.sampled_from([2.0, 20.0]))
+    def coordinator_stalls(self, seconds: float) -> None:
+        """SIGSTOP, then SIGCONT: nobody's silence, so nobody dies of it."""
+        before = {lease.rank: lease.state for lease in self.core.membership.leases()}
+        self.driver.stall(self.driver.now + seconds)
+        event("coordinator stalled")
+        for lease in self.core.membership.leases():
+            if before.get(lease.rank) not in (None, RankState.DEAD):
+                assert lease.state is not RankState.DEAD, (lease, before)
 
     @precondition(lambda self: self.core.next_deadline() < float("inf"))
     @rule()

@@ -11,6 +11,7 @@ import pytest
 from coordinator.core.membership import (
     Accepted,
     EngineLease,
+    Greeting,
     HelloVerdict,
     Membership,
     ProbeHolder,
@@ -55,10 +56,11 @@ def changed(result: RankChanged | Refused) -> RankChanged:
 
 
 def hello(
-    m: Membership, rank: int, engine_id: str | None = None, now: float = 0.0
+    m: Membership, rank: int, engine_id: str | None = None, now: float = 0.0, conn: int = 0
 ) -> Accepted | Refused:
-    result = m.hello(rank, engine_id=engine_id, local=False, headless=True, now=now)
-    assert not isinstance(result, ProbeHolder)  # the holder counts as reachable by default
+    result = m.hello(rank, engine_id=engine_id, local=False, headless=True, now=now,
+                     conn=conn)
+    assert not isinstance(result, ProbeHolder), result  # no greeted holder, or facts
     return result
 
 
@@ -210,11 +212,11 @@ def test_hello_out_of_range_is_refused_with_the_range_error_text(rank: int) -> N
     assert state_of(m) == before
 
 
-def test_hello_without_ids_replaces_a_live_holder() -> None:
-    # vLLM engines carry no engine_id and say HELLO once per process.
+def test_hello_without_ids_takes_a_rank_whose_holder_nothing_says_is_there() -> None:
+    # vLLM engines carry no engine_id and say HELLO once per process; with no
+    # connection facts and nothing to probe, a new HELLO is a new process.
     m = make()
     bring(m, 5, S.READY, now=1.0)
-    assert m.greeted(5, 1.0)
     result = accepted(hello(m, 5, None, now=2.0))
     assert result.replaced is not None
     assert result.replaced.incarnation == 1 and result.replaced.state is S.READY
@@ -222,6 +224,64 @@ def test_hello_without_ids_replaces_a_live_holder() -> None:
     assert result.lease.state is S.HANDSHAKING
     assert not result.lease.dispatch_connected
     assert result.lease.registered_at == 2.0
+
+
+def test_hello_without_ids_is_refused_while_the_holder_is_heard() -> None:
+    m = make()
+    accepted(hello(m, 5, None, now=0.0, conn=11))
+    accepted(m.ready(5, parallel_config_hash=None, now=0.5, conn=11))
+    assert m.greeted(5, 1.0, conn=12) is Greeting.BOUND
+    assert m.connection_closed(11) == 5  # vLLM closes its handshake socket after READY
+    before = state_of(m)
+    # What its dispatch connection carries decides: it is probed first.
+    asked = m.hello(5, engine_id=None, local=False, headless=True, now=4.0, conn=13)
+    assert isinstance(asked, ProbeHolder) and state_of(m) == before
+    result = refused(m.hello(5, engine_id=None, local=False, headless=True, now=4.0,
+                             conn=13, holder_reachable=True))
+    assert result.reason is R.RANK_HELD
+    assert result.message == (
+        "dp_rank=5 is held by a live engine (ready, incarnation 1, still connected, last "
+        "seen 3.0 s ago), and neither engine has an engine_id to tell whether they are the "
+        "same. Stop the old engine: its rank is freed as soon as its connections are gone, "
+        "and this engine is accepted when it says HELLO again; or give this engine another "
+        "rank."
+    )
+    assert state_of(m) == before
+
+
+def test_hello_without_ids_asks_for_a_probe_once_the_dispatch_connection_closed() -> None:
+    m = make()
+    accepted(hello(m, 5, None, now=0.0, conn=11))
+    accepted(m.ready(5, parallel_config_hash=None, now=0.5, conn=11))
+    m.greeted(5, 1.0, conn=12)
+    assert m.connection_closed(12) == 5
+    assert m.dispatchable() == []  # lost: no new requests until a probe reaches it
+    asked = m.hello(5, engine_id=None, local=False, headless=True, now=2.0, conn=13)
+    assert isinstance(asked, ProbeHolder)  # it may be back under a new connection
+    taken = m.hello(5, engine_id=None, local=False, headless=True, now=2.0, conn=13,
+                    holder_reachable=False)
+    assert isinstance(taken, Accepted) and taken.lease.incarnation == 2
+    assert taken.released is not None and taken.released.new is S.DEAD
+
+
+def test_a_hello_whose_peer_vanished_frees_the_rank_at_once() -> None:
+    m = make(ttl=TTL)
+    accepted(hello(m, 5, "intruder", now=0.0, conn=21))
+    refused(hello(m, 5, "engine-a", now=1.0, conn=22))  # still connected: it holds
+    assert m.connection_closed(21) == 5
+    taken = accepted(hello(m, 5, "engine-a", now=1.5, conn=23))
+    assert taken.released == RankChanged(
+        5, S.HANDSHAKING, S.DEAD, "engine disconnected (last seen 1.5 s ago)")
+    assert taken.lease.engine_id == "engine-a" and taken.lease.incarnation == 2
+    assert taken.lease.handshake_conn == 23
+
+
+def test_a_handshaking_lease_whose_connection_came_back_still_takes_its_ready() -> None:
+    m = make()
+    accepted(hello(m, 5, None, now=0.0, conn=31))
+    m.connection_closed(31)  # a tcp connection dropped while the model loads
+    lease = accepted(m.ready(5, parallel_config_hash=None, now=5.0, conn=32)).lease
+    assert lease.state is S.READY and lease.handshake_conn == 32 and not lease.handshake_lost
 
 
 def test_duplicate_hello_with_the_same_id_is_idempotent() -> None:
@@ -250,7 +310,8 @@ def test_hello_with_another_id_is_refused_while_the_holder_lives(
     assert result.message.startswith(
         f"Engine ID mismatch for dp_rank=5: expected {held}, got {new}. "
     )
-    assert "Stop the old engine, or wait until its lease expires in 7.0 s" in result.message
+    assert "Stop the old engine: its rank is freed as soon as its connections are gone" in (
+        result.message)
     assert state_of(m) == before
 
 
@@ -261,9 +322,9 @@ def test_engine_id_mismatch_exact_text() -> None:
     result = refused(hello(m, 6, "engine-b", now=4.0))
     assert result.message == (
         "Engine ID mismatch for dp_rank=6: expected engine-a, got engine-b. "
-        "dp_rank=6 is held by a live engine (ready, incarnation 1, last seen 1.5 s ago). "
-        "Stop the old engine, or wait until its lease expires in 8.5 s; it is replaced "
-        "automatically then, when this engine says HELLO again."
+        "dp_rank=6 is held by a live engine (ready, incarnation 1, still connected, last "
+        "seen 1.5 s ago). Stop the old engine: its rank is freed as soon as its connections "
+        "are gone, and this engine is accepted when it says HELLO again."
     )
 
 
@@ -294,8 +355,11 @@ def test_hello_verdict_reachability_column(
         assert m.greeted(5, 0.0)
     holder = m.lease(5)
     assert hello_verdict(holder, "other", reachable) is verdict
-    # Reachability never matters when the ids agree or nobody holds the rank.
-    assert hello_verdict(holder, None, reachable) is HelloVerdict.TAKE
+    # Without ids on either side, only a connected holder keeps the rank.
+    unnamed = {None: HelloVerdict.PROBE_HOLDER if greeted else HelloVerdict.TAKE,
+               True: HelloVerdict.RANK_HELD, False: HelloVerdict.TAKE_OVER}
+    assert hello_verdict(holder, None, reachable) is unnamed[reachable]
+    # Nobody holds the rank: reachability never matters.
     assert hello_verdict(None, "other", reachable) is HelloVerdict.TAKE
 
 
@@ -331,7 +395,7 @@ def test_lease_is_alive_up_to_and_including_its_ttl() -> None:
     m = make()
     accepted(hello(m, 5, "engine-a", now=0.0))
     result = refused(hello(m, 5, "engine-b", now=TTL))
-    assert "expires in 0.0 s" in result.message
+    assert "last seen 10.0 s ago" in result.message
     taken = accepted(hello(m, 5, "engine-b", now=TTL + 0.001))
     assert taken.replaced is not None and taken.replaced.engine_id == "engine-a"
     assert taken.lease.incarnation == 2
@@ -496,7 +560,7 @@ def test_greeted_without_a_live_lease_is_false_and_changes_nothing(situation: st
         bring(m, 5, S.READY)
         now = TTL + 1
     before = state_of(m)
-    assert not m.greeted(rank, now)
+    assert m.greeted(rank, now) is Greeting.UNREGISTERED
     assert state_of(m) == before
 
 
@@ -509,17 +573,19 @@ def test_touch_renews_a_live_lease() -> None:
     assert lease is not None and lease.last_seen == 8.0 and lease.state is S.READY
 
 
-def test_touch_does_not_revive_an_expired_or_dead_lease() -> None:
+def test_touch_renews_a_lease_past_its_ttl_but_never_a_dead_one() -> None:
+    # Traffic that arrived is evidence, however late the timer is to look at it.
     m = make()
     bring(m, 5, S.READY, now=0.0)
     bring(m, 6, S.DEAD, now=0.0)
-    before = state_of(m)
     m.touch(5, TTL + 1)
+    before = state_of(m)
     m.touch(6, 1.0)
     m.touch(4, 1.0)  # nobody there
     m.touch(99, 1.0)  # out of range
     assert state_of(m) == before
-    assert [c.rank for c in m.expire(TTL + 1)] == [5]
+    assert m.expire(TTL + 1) == []
+    assert m.lease(5).last_seen == TTL + 1  # type: ignore[union-attr]
 
 
 def test_disconnected_kills_a_live_lease_at_once() -> None:
@@ -572,12 +638,13 @@ def test_expire_spares_ranks_being_probed() -> None:
     assert [change.rank for change in m.expire(TTL + 1)] == [4]
 
 
-def test_dead_never_comes_back_without_hello() -> None:
+def test_dead_comes_back_only_by_revival_or_hello() -> None:
     m = make()
     bring(m, 5, S.READY, now=0.0)
     m.expire(TTL + 1)
-    assert not m.greeted(5, TTL + 2)
+    assert m.greeted(5, TTL + 2) is Greeting.UNREGISTERED
     m.touch(5, TTL + 2)
+    m.renew(5, TTL + 2)
     assert refused(m.uncordon(5)).reason is R.UNKNOWN_RANK
     assert refused(m.ready(5, parallel_config_hash=None, now=TTL + 2)).reason is R.OUT_OF_ORDER
     lease = m.lease(5)
@@ -815,8 +882,10 @@ def _lease(engine_id: str | None, state: RankState = S.READY) -> EngineLease:
         (_lease("a"), None, HelloVerdict.MISMATCH),
     ],
 )
-def test_hello_verdict(holder: EngineLease | None, new: str | None, verdict: HelloVerdict) -> None:
-    assert hello_verdict(holder, new) is verdict
+def test_hello_verdict_without_connection_facts(
+    holder: EngineLease | None, new: str | None, verdict: HelloVerdict
+) -> None:
+    assert hello_verdict(holder, new, None) is verdict
 
 
 def test_is_alive() -> None:
@@ -846,7 +915,7 @@ def test_handshaking_lease_expires_after_the_handshake_ttl() -> None:
     m.hello(0, engine_id="a", local=True, headless=False, now=0.0)
     refused = m.hello(0, engine_id="b", local=True, headless=False, now=30.0)
     assert isinstance(refused, Refused)
-    assert "expires in 30.0 s" in refused.message
+    assert "last seen 30.0 s ago" in refused.message
     assert [c.new for c in m.expire(60.5)] == [RankState.DEAD]
 
 
@@ -889,7 +958,11 @@ def test_restored_lease_expires_like_any_other() -> None:
 def test_restored_lease_blocks_a_different_engine_and_counts_incarnations_on() -> None:
     m = Membership(rank_start=0, rank_count=1, lease_ttl_s=10.0)
     _restore(m, 0, RankState.READY, incarnation=7)
-    refused = m.hello(0, engine_id="other", local=True, headless=False, now=101.0)
+    # No connection facts survive a restart: the holder is probed on dispatch first.
+    asked = m.hello(0, engine_id="other", local=True, headless=False, now=101.0)
+    assert isinstance(asked, ProbeHolder)
+    refused = m.hello(0, engine_id="other", local=True, headless=False, now=101.0,
+                      holder_reachable=True)
     assert isinstance(refused, Refused)
     assert refused.reason is RefusalReason.ENGINE_ID_MISMATCH
     m.disconnected(0, 102.0)

@@ -1,7 +1,9 @@
 """Random sequences of membership events, with time moving on, keep the lease invariants.
 
-Besides the invariants, each HELLO and READY is checked against an outcome the
-test works out on its own from the lease as it stood before the call.
+Besides the invariants, each HELLO, READY and greeting is checked against an
+outcome the test works out on its own from the lease as it stood before the call
+and from the connections it opened and closed itself (every HELLO and greeting
+comes on a numbered connection, as the server reports them).
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule
 from coordinator.core.membership import (
     Accepted,
     EngineLease,
+    Greeting,
     Membership,
+    ProbeHolder,
     RankChanged,
     RankState,
     RefusalReason,
@@ -54,6 +58,8 @@ def outcome(result: object) -> str:
         return result.reason.value
     if isinstance(result, Accepted):
         return "duplicate" if result.duplicate else ("replaced" if result.replaced else "new")
+    if isinstance(result, ProbeHolder):
+        return "probe the holder"
     return "changed"
 
 
@@ -66,6 +72,13 @@ class MembershipMachine(RuleBasedStateMachine):
         self.m = Membership(rank_start=START, rank_count=3, lease_ttl_s=TTL)
         self.now = 0.0
         self.incarnations: dict[int, int] = {}
+        # The connections this test opened for each rank's current incarnation.
+        self.next_conn = 1
+        self.hello_conn: dict[int, int] = {}
+        self.greet_conn: dict[int, int] = {}
+        self.claimed: dict[int, int] = {}
+        self.closed: set[int] = set()
+        self.reachable: dict[int, bool] = {}
 
     # -- helpers --------------------------------------------------------------
 
@@ -80,6 +93,25 @@ class MembershipMachine(RuleBasedStateMachine):
 
     def in_range(self, rank: int) -> bool:
         return self.m.rank_start <= rank < self.m.rank_start + self.m.rank_count
+
+    def new_conn(self) -> int:
+        self.next_conn += 1
+        return self.next_conn
+
+    def connected(self, rank: int, prior: EngineLease) -> bool | None:
+        """Whether the holder is still connected, from this test's own record."""
+        hello = self.hello_conn.get(rank)
+        if prior.state is S.HANDSHAKING and hello is not None and hello not in self.closed:
+            return True
+        if prior.dispatch_connected:
+            return None  # what its dispatch connection carries decides: a probe
+        if prior.state is S.HANDSHAKING and hello is not None:
+            return False
+        return None
+
+    def forget_conns(self, rank: int) -> None:
+        for table in (self.hello_conn, self.greet_conn, self.claimed, self.reachable):
+            table.pop(rank, None)
 
     def check_refused_changed_nothing(self, before: dict[str, Any], result: object) -> None:
         if isinstance(result, Refused):
@@ -98,12 +130,16 @@ class MembershipMachine(RuleBasedStateMachine):
         engine_id=ENGINE_IDS,
         local=st.booleans(),
         headless=st.booleans(),
+        probed=st.sampled_from([None, None, True, False]),
     )
-    def hello(self, rank: int, engine_id: str | None, local: bool, headless: bool) -> int:
+    def hello(self, rank: int, engine_id: str | None, local: bool, headless: bool,
+              probed: bool | None = None) -> int:
         prior = self.m.lease(rank)
         before = self.state()
+        conn = self.new_conn()
         result = self.m.hello(
-            rank, engine_id=engine_id, local=local, headless=headless, now=self.now
+            rank, engine_id=engine_id, local=local, headless=headless, now=self.now,
+            conn=conn, holder_reachable=probed,
         )
         self.check_refused_changed_nothing(before, result)
         event(f"hello: {outcome(result)}")
@@ -117,16 +153,40 @@ class MembershipMachine(RuleBasedStateMachine):
                 assert isinstance(result, Accepted) and result.duplicate
                 assert result.lease.incarnation == prior.incarnation
                 assert result.lease.last_seen == self.now
+                self.hello_conn[rank] = conn
                 return rank
-            if not (prior.engine_id is None and engine_id is None):
-                assert isinstance(result, Refused) and result.reason is R.ENGINE_ID_MISMATCH
-                assert result.message.startswith(
-                    f"Engine ID mismatch for dp_rank={rank}: expected {prior.engine_id}, "
-                    f"got {engine_id}. "
-                )
+            unnamed = prior.engine_id is None and engine_id is None
+            connected = self.connected(rank, prior) if probed is None else probed
+            if connected is None and prior.dispatch_connected:
+                assert isinstance(result, ProbeHolder) and result.holder == prior
+                assert self.state() == before
                 return rank
+            if connected or (connected is None and not unnamed):
+                assert isinstance(result, Refused)
+                if unnamed:
+                    assert result.reason is R.RANK_HELD
+                    assert result.message.startswith(f"dp_rank={rank} is held by a live engine")
+                else:
+                    assert result.reason is R.ENGINE_ID_MISMATCH
+                    assert result.message.startswith(
+                        f"Engine ID mismatch for dp_rank={rank}: expected {prior.engine_id}, "
+                        f"got {engine_id}. "
+                    )
+                return rank
+            if connected is False:
+                assert isinstance(result, Accepted) and result.released is not None
+                assert result.released.new is S.DEAD
         assert isinstance(result, Accepted) and not result.duplicate
+        self.forget_conns(rank)
+        self.hello_conn[rank] = conn
+        if result.released is not None:
+            assert result.replaced is not None and result.replaced.state is S.DEAD
+            return self.checked_new_lease(rank, result, engine_id, local, headless)
         assert result.replaced == prior
+        return self.checked_new_lease(rank, result, engine_id, local, headless)
+
+    def checked_new_lease(self, rank: int, result: Accepted, engine_id: str | None,
+                          local: bool, headless: bool) -> int:
         lease = result.lease
         assert (lease.rank, lease.engine_id, lease.state) == (rank, engine_id, S.HANDSHAKING)
         assert (lease.local, lease.headless, lease.dispatch_connected) == (local, headless, False)
@@ -178,25 +238,105 @@ class MembershipMachine(RuleBasedStateMachine):
         self.ready(rank, config_hash)
         return rank
 
-    @rule(rank=greeted_ranks | RANKS)
-    def greeted(self, rank: int) -> None:
+    @rule(rank=greeted_ranks | RANKS, fresh=st.booleans())
+    def greeted(self, rank: int, fresh: bool = True) -> None:
         prior = self.m.lease(rank)
         before = self.state()
-        ok = self.m.greeted(rank, self.now)
-        assert ok == alive(prior, self.now)
-        if not ok:
+        bound = self.greet_conn.get(rank)
+        conn = bound if bound is not None and not fresh else self.new_conn()
+        greeting = self.m.greeted(rank, self.now, conn)
+        event(f"greeting: {greeting.value}")
+        if not alive(prior, self.now):
+            assert greeting is Greeting.UNREGISTERED
             assert self.state() == before
-        else:
-            lease = self.m.lease(rank)
-            assert lease is not None and lease.dispatch_connected and lease.last_seen == self.now
+            return
+        lease = self.m.lease(rank)
+        assert lease is not None
+        if bound is not None and conn != bound:
+            # Someone else's connection: no new requests while it is open, not renewed.
+            assert greeting is Greeting.SECOND_CLAIM
+            assert lease.dispatch_claimed_by == conn and lease.last_seen == prior.last_seen
+            assert rank not in self.m.dispatchable()
+            self.claimed[rank] = conn
+            return
+        assert greeting is (Greeting.BOUND if bound is None else Greeting.REPEATED)
+        assert lease.dispatch_connected and lease.last_seen == self.now
+        self.greet_conn[rank] = conn
+        self.reachable[rank] = True
 
     @rule(rank=greeted_ranks | RANKS)
     def touch(self, rank: int) -> None:
         prior = self.m.lease(rank)
         before = self.state()
         self.m.touch(rank, self.now)
-        if not alive(prior, self.now):
+        if prior is None or prior.state is S.DEAD:
             assert self.state() == before
+        else:  # traffic renews a lease whatever its age
+            assert self.m.lease(rank).last_seen == self.now  # type: ignore[union-attr]
+
+    @rule(data=st.data())
+    def connection_closes(self, data: st.DataObject) -> None:
+        mine = {conn: rank for table in (self.hello_conn, self.greet_conn, self.claimed)
+                for rank, conn in table.items() if conn not in self.closed}
+        if not mine:
+            return
+        conn = data.draw(st.sampled_from(sorted(mine)))
+        rank = mine[conn]
+        self.closed.add(conn)
+        assert self.m.connection_closed(conn) == rank
+        assert self.m.connection_closed(conn) is None  # reported once
+        if self.greet_conn.get(rank) == conn or self.claimed.get(rank) == conn:
+            self.reachable[rank] = False
+            self.claimed.pop(rank, None)
+            assert rank not in self.m.dispatchable()
+
+    @rule(rank=greeted_ranks | RANKS, back=st.sampled_from([0.0, 1.0, 3.0]))
+    def probe_answered(self, rank: int, back: float) -> None:
+        """A probe reached the rank: it proves the engine heard ``back`` seconds ago."""
+        prior = self.m.lease(rank)
+        self.m.renew(rank, self.now - back)
+        lease = self.m.lease(rank)
+        if prior is None or prior.state is S.DEAD:
+            assert lease == prior
+            return
+        assert lease is not None
+        assert lease.last_seen == max(prior.last_seen, self.now - back)
+        assert not lease.dispatch_lost
+        self.reachable[rank] = True
+
+    @rule(rank=greeted_ranks | RANKS)
+    def probe_failed(self, rank: int) -> None:
+        self.m.mark_unreachable(rank)
+        if self.m.lease(rank) is not None:
+            self.reachable[rank] = False
+            assert rank not in self.m.dispatchable()
+
+    @rule(rank=greeted_ranks | RANKS)
+    def revive(self, rank: int) -> None:
+        prior = self.m.lease(rank)
+        change = self.m.revive(rank, self.now, "evidence")
+        lease = self.m.lease(rank)
+        if prior is None or prior.state is not S.DEAD or prior.died_from is None:
+            assert change is None and lease == prior
+            return
+        event("revived")
+        assert change == RankChanged(rank, S.DEAD, prior.died_from, "evidence")
+        assert lease is not None and lease.state is prior.died_from
+        assert lease.incarnation == prior.incarnation and lease.died_from is None
+        assert prior.died_from in (S.READY, S.CORDONED, S.DRAINING)
+        self.reachable[rank] = True
+
+    @rule(seconds=st.sampled_from([1.0, 4.0, 30.0]))
+    def coordinator_paused(self, seconds: float) -> None:
+        prior = {lease.rank: lease for lease in self.m.leases()}
+        self.now += seconds
+        self.m.credit_pause(seconds, self.now)
+        for lease in self.m.leases():
+            before = prior[lease.rank]
+            if before.state is not S.DEAD:
+                # The pause is nobody's silence: every live lease is as fresh as before.
+                assert lease.last_seen == min(self.now, before.last_seen + seconds)
+                assert alive(lease, self.now) == alive(before, self.now - seconds)
 
     @rule(rank=greeted_ranks | RANKS, which=st.sampled_from(["any", "current", "older"]))
     def disconnected(self, rank: int, which: str) -> None:
@@ -213,6 +353,8 @@ class MembershipMachine(RuleBasedStateMachine):
             assert changes == [RankChanged(rank, prior.state, S.DEAD, changes[0].cause)]
             assert changes[0].cause.startswith("engine disconnected")
             assert after is not None and after.state is S.DEAD
+            settled = prior.state in (S.READY, S.CORDONED, S.DRAINING)
+            assert after.died_from == (prior.state if settled else None)
 
     @rule()
     def expire(self) -> None:
@@ -263,6 +405,8 @@ class MembershipMachine(RuleBasedStateMachine):
         ]
         assert all(c.cause.startswith("rank removed") for c in changes)
         assert self.m.leases() == [lease for lease in prior if lease.rank < end]
+        for lease in dropped:
+            self.forget_conns(lease.rank)
 
     # -- invariants -----------------------------------------------------------
 
@@ -278,10 +422,13 @@ class MembershipMachine(RuleBasedStateMachine):
         for rank in self.m.dispatchable(now=self.now):
             lease = by_rank[rank]
             assert lease.state is S.READY and lease.dispatch_connected and alive(lease, self.now)
+            # Reachable on dispatch by what this test told it, and nobody else's.
+            assert self.reachable.get(rank, True) and rank not in self.claimed
         # Without `now` the answer is cached between changes: it must equal a fresh one.
         assert self.m.dispatchable() == [
             rank for rank in sorted(by_rank)
             if by_rank[rank].state is S.READY and by_rank[rank].dispatch_connected
+            and not by_rank[rank].dispatch_lost and not by_rank[rank].dispatch_claimed_by
         ]
         assert set(self.m.dispatchable(now=self.now)) <= set(self.m.dispatchable())
 

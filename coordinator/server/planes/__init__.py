@@ -5,7 +5,9 @@ socket (ROUTER sockets put the peer's identity first), into one core event
 (``coordinator.core.events``), using the protocol package's typed decoders.
 Anything that does not decode becomes a ``BadFrame`` carrying the
 ``ProtocolError``; whether it is counted, logged or answered is the core's
-business. Decoders never raise and never look at state.
+business. The sockets whose peers claim ranks (``SOURCED_DECODERS``) also
+take the connection the message came on. Decoders never raise and never look
+at state.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from coordinator.server.planes import (
 )
 
 Decoder = Callable[[list[bytes]], Event]
+SourcedDecoder = Callable[[list[bytes], int], Event]
 
 DECODERS: Mapping[str, Decoder] = {
     "handshake": handshake.decode,
@@ -31,4 +34,9 @@ DECODERS: Mapping[str, Decoder] = {
     "back_publish": back_publish.decode,
     "front_publish": front_publish.decode,
     "frontend": frontend.decode,
+}
+
+SOURCED_DECODERS: Mapping[str, SourcedDecoder] = {
+    "handshake": handshake.decode,
+    "dispatch": dispatch.decode,
 }

@@ -1,4 +1,7 @@
-"""``handshake`` (ROUTER, vLLM H1): ``[identity, HELLO or READY]`` from engines."""
+"""``handshake`` (ROUTER, vLLM H1): ``[identity, HELLO or READY]`` from engines.
+
+``conn`` is the connection the message came on (``server.connections``).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ from coordinator.protocol.errors import ProtocolError
 from coordinator.protocol.identity import identity_to_rank
 
 
-def decode(frames: list[bytes]) -> HandshakeReceived | BadFrame:
+def decode(frames: list[bytes], conn: int = 0) -> HandshakeReceived | BadFrame:
     count = len(frames)
     if count != 2:
         error = ProtocolError(f"expected [identity, payload], got {count} frames",
@@ -24,4 +27,4 @@ def decode(frames: list[bytes]) -> HandshakeReceived | BadFrame:
         message = vllm.decode_handshake(payload)
     except ProtocolError as exc:
         return BadFrame("handshake", exc, identity=identity, rank=rank, frame_count=count)
-    return HandshakeReceived(identity, rank, message)
+    return HandshakeReceived(identity, rank, message, conn)
