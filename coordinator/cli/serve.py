@@ -76,6 +76,14 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
                    "its model there, silently (default 1800)")
     p.add_argument("--policy", default="least-loaded", choices=["least-loaded", "p2c"],
                    help="how submitted requests pick a rank (default least-loaded)")
+    p.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024, metavar="B",
+                   help="bound on one message on the frontend socket, all frames together "
+                   "(a submit with its payload); larger ones are refused with too_large "
+                   "(default 16 MiB)")
+    p.add_argument("--max-engine-message-bytes", type=int, default=1024 * 1024, metavar="B",
+                   help="bound on one message from an engine (handshake, dispatch, "
+                   "back_output), all frames together; larger ones are dropped and counted "
+                   "(default 1 MiB)")
     p.add_argument("--master-ip", default=None,
                    help="data_parallel_master_ip sent to every engine in INIT "
                    "(default: the advertised host, 127.0.0.1 for ipc)")
@@ -144,6 +152,8 @@ def run_serve(args: argparse.Namespace) -> int:
         lease_ttl_s=args.lease_ttl_s,
         handshake_timeout_s=args.handshake_timeout_s,
         policy=args.policy,
+        max_request_bytes=args.max_request_bytes,
+        max_engine_message_bytes=args.max_engine_message_bytes,
         master_ip=args.master_ip,
         master_port=args.master_port,
         coord_store_port=args.coord_store_port,

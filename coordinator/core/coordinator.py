@@ -256,5 +256,5 @@ class CoordinatorCore(EngineRules, FrontendRules):
         if socket == "handshake" and event.frame_count > 2:
             self._handshake_error(event.identity, "expected exactly one payload frame")
         elif socket == "frontend" and event.frame_count >= 2:
-            self._reply(event.identity, fp.ErrorReply(event.call_id, fp.ERR_BAD_FRAME,
-                                                      error.message))
+            code = fp.ERR_TOO_LARGE if error.reason == "too_large" else fp.ERR_BAD_FRAME
+            self._reply(event.identity, fp.ErrorReply(event.call_id, code, error.message))

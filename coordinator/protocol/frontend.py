@@ -210,6 +210,7 @@ ERR_TOO_MANY_IN_FLIGHT = "too_many_in_flight"
 ERR_ADMIN_REFUSED = "admin_refused"
 ERR_SHUTTING_DOWN = "shutting_down"
 ERR_BAD_CLIENT_INDEX = "bad_client_index"
+ERR_TOO_LARGE = "too_large"
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(FrontendRequest)

@@ -25,7 +25,7 @@ import shutil
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
@@ -39,6 +39,7 @@ from coordinator.core.actions import (
     SaveState,
     Send,
     SetLinger,
+    SocketName,
 )
 from coordinator.core.coordinator import CoordinatorCore, CoreConfig
 from coordinator.core.events import (
@@ -59,11 +60,13 @@ from coordinator.server.http import HttpEndpoints
 from coordinator.server.meeting_point import build_parallel_config
 from coordinator.server.observe import ObservedPusher, ObservedState
 from coordinator.server.planes import DECODERS, Decoder
+from coordinator.server.planes.oversize import oversize_event
 from coordinator.server.statefile import load_state, save_state
 from coordinator.server.timers import CoreTimer
 from coordinator.server.transport import (
     FrameHandler,
     FrameReader,
+    OversizeHandler,
     RateLimitedLog,
     bind_socket,
     make_endpoint,
@@ -155,7 +158,7 @@ class CoordinatorServer:
                     key, host=cfg.host, ipc_dir=ipc_dir, port=port
                 )
                 sock, resolved = bind_socket(
-                    self._ctx, kind, endpoint, max_message_bytes=cfg.max_message_bytes,
+                    self._ctx, kind, endpoint, max_message_bytes=cfg.max_message_bytes(key),
                     options=options,
                     configure=configure if endpoint.startswith("tcp://") else None,
                 )
@@ -242,7 +245,9 @@ class CoordinatorServer:
             self._observer.push(force=True)
         self._readers = {
             key: FrameReader(self._sockets[key], handler, name=key,
-                             on_error=self._handler_failed)
+                             on_error=self._handler_failed,
+                             max_message_bytes=self.config.max_message_bytes(key),
+                             on_oversize=self._oversize_feeder(key))
             for key, handler in self.frame_handlers.items()
         }
         tasks = [asyncio.ensure_future(reader.run()) for reader in self._readers.values()]
@@ -277,6 +282,16 @@ class CoordinatorServer:
                 execute(actions)
 
         return on_frames
+
+    def _oversize_feeder(self, key: str) -> OversizeHandler:
+        """A message past ``key``'s size bound: the core counts it and answers if it can."""
+        limit = self.config.max_message_bytes(key)
+        socket = cast(SocketName, key)
+
+        def on_oversize(kept: list[bytes], total: int, frame_count: int) -> None:
+            self._feed(oversize_event(socket, kept, total, frame_count, limit))
+
+        return on_oversize
 
     def _stats_feeder(self) -> FrameHandler:
         """``back_output``: the hot path, straight to the core's stats handler."""

@@ -6,7 +6,11 @@ from dataclasses import dataclass, field
 
 from coordinator.protocol.addresses import SOCKET_KEYS, check_bind_safety
 from coordinator.protocol.identity import MAX_RANK
-from coordinator.server.transport import DEFAULT_MAX_MESSAGE_BYTES
+from coordinator.server.transport import (
+    DEFAULT_MAX_ENGINE_MESSAGE_BYTES,
+    DEFAULT_MAX_REQUEST_BYTES,
+    SUBSCRIPTION_MAX_MESSAGE_BYTES,
+)
 
 
 @dataclass
@@ -38,7 +42,10 @@ class ServerConfig:
     handshake_timeout_s: float = 1800.0
     """How long a rank may sit between HELLO and READY (vLLM loads its model there)."""
     policy: str = "least-loaded"
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    """Bound on one message on ``frontend``, all frames together (a submit's payload)."""
+    max_engine_message_bytes: int = DEFAULT_MAX_ENGINE_MESSAGE_BYTES
+    """Bound on one message on ``handshake``, ``dispatch`` and ``back_output``."""
     max_in_flight: int = 1_000_000
     max_frontends: int = 1024
     master_ip: str | None = None
@@ -67,6 +74,14 @@ class ServerConfig:
     curve_clients_dir: str | None = None
     insecure: bool = False
     """Allow a non-loopback TCP bind without CURVE keys."""
+
+    def max_message_bytes(self, key: str) -> int:
+        """The bound on one message (all frames) read on socket ``key``."""
+        if key == "frontend":
+            return self.max_request_bytes
+        if key in ("back_publish", "front_publish"):
+            return SUBSCRIPTION_MAX_MESSAGE_BYTES
+        return self.max_engine_message_bytes
 
     def validate(self) -> None:
         """Raise ValueError with a message an operator can act on."""
@@ -111,6 +126,10 @@ class ServerConfig:
                 "CURVE needs both --curve-secret-key and --curve-clients-dir (the allowed "
                 "client public keys)"
             )
+        for flag, value in (("--max-request-bytes", self.max_request_bytes),
+                            ("--max-engine-message-bytes", self.max_engine_message_bytes)):
+            if value < 1024:
+                raise ValueError(f"{flag} must be at least 1024, got {value}")
         if self.recorder_size < 1:
             raise ValueError(f"--recorder-size must be >= 1, got {self.recorder_size}")
         if self.watchdog_stall_s < 0:

@@ -22,10 +22,22 @@ import zmq
 
 from coordinator.protocol.addresses import is_ipv6_tcp, tcp_endpoint
 
-# Bounds on what any peer may send us; larger messages drop the connection.
-DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+MIB = 1024 * 1024
+# Bounds on one message, all its frames together (identity frames included), per
+# socket. A message past its socket's bound is dropped and counted; libzmq's own
+# per-frame bound (MAXMSGSIZE) is set to the same figure, so a single frame that
+# large costs its sender the connection before it is even buffered.
+DEFAULT_MAX_REQUEST_BYTES = 16 * MIB
+"""``frontend``: every message, a submit with its payload frames included."""
+DEFAULT_MAX_ENGINE_MESSAGE_BYTES = 1 * MIB
+"""``handshake``, ``dispatch``, ``back_output``: HELLO/READY, greetings, stats reports."""
+SUBSCRIPTION_MAX_MESSAGE_BYTES = 64 * 1024
+"""Upstream of ``back_publish`` and ``front_publish``: subscriptions, SCALE_ELASTIC_EP."""
 
 FrameHandler = Callable[[list[bytes]], None]
+OversizeHandler = Callable[[list[bytes], int, int], None]
+"""Called with the frames kept (those read before the bound was passed), the bytes and
+the frames the whole message had."""
 
 
 def make_endpoint(key: str, *, host: str | None, ipc_dir: str, port: int = 0) -> str:
@@ -94,6 +106,11 @@ class FrameReader:
     send included: a send from another task while this reader sleeps can swallow
     the edge of a message that arrived meanwhile, and the reader would never wake.
     Whoever sends on a read socket must therefore call `poke()` afterwards.
+
+    With ``max_message_bytes``, a message whose frames together pass the bound is
+    not delivered: the frames read before it passed are handed to ``on_oversize``
+    (a ROUTER's identity and a header, to answer with), the rest are taken off the
+    socket and released uncopied, and nothing of it stays referenced afterwards.
     """
 
     def __init__(
@@ -104,15 +121,20 @@ class FrameReader:
         name: str,
         on_error: Callable[[str, BaseException], None],
         batch: int = 128,
+        max_message_bytes: int | None = None,
+        on_oversize: OversizeHandler | None = None,
     ) -> None:
         self._sock = sock
         self._handler = handler
         self._name = name
         self._on_error = on_error
         self._batch = batch
+        self._max_message_bytes = max_message_bytes
+        self._on_oversize = on_oversize
         self._readable = asyncio.Event()
         self._fd = int(sock.getsockopt(zmq.FD))
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.oversize_dropped = 0
 
     def poke(self) -> None:
         """Make the reader look at the socket again (after a send on it elsewhere)."""
@@ -129,34 +151,74 @@ class FrameReader:
                 loop.remove_reader(self._fd)
 
     async def _pump(self) -> None:
+        # Messages are read and handled in `_read_batch`, so that no frame of the last
+        # message stays referenced from here while the reader waits.
         sock = self._sock
-        recv = sock.recv
-        handler = self._handler
         while True:
-            count = 0
-            while count < self._batch:
-                try:
-                    # copy=False gives the "more" flag with the frame, saving a
-                    # getsockopt(RCVMORE) per frame (the hot path's largest cost).
-                    frame = recv(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                frames = [frame.bytes]
-                while frame.more:  # a multipart message arrives whole
-                    frame = recv(copy=False)
-                    frames.append(frame.bytes)
-                count += 1
-                try:
-                    handler(frames)
-                except Exception as exc:  # a bug must not stop the socket
-                    self._on_error(self._name, exc)
-            if count == self._batch:
+            if self._read_batch() == self._batch:
                 await asyncio.sleep(0)
                 continue
             self._readable.clear()
             if int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 continue
             await self._readable.wait()
+
+    def _read_batch(self) -> int:
+        """Read and handle up to a batch of messages; returns how many were read."""
+        recv = self._sock.recv
+        handler = self._handler
+        limit = self._max_message_bytes
+        count = 0
+        while count < self._batch:
+            try:
+                # copy=False gives the "more" flag with the frame, saving a
+                # getsockopt(RCVMORE) per frame (the hot path's largest cost).
+                frame = recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            count += 1
+            if frame.more or (limit is not None and len(frame) > limit):
+                frames = self._read_multipart(frame, limit)
+                if frames is None:
+                    continue
+            else:
+                frames = [frame.bytes]
+            try:
+                handler(frames)
+            except Exception as exc:  # a bug must not stop the socket
+                self._on_error(self._name, exc)
+        return count
+
+    def _read_multipart(self, first: zmq.Frame, limit: int | None) -> list[bytes] | None:
+        """The rest of a message (a multipart message arrives whole), or None when it
+        passed ``limit``: from then on its frames are taken off the socket and released
+        without being copied, and ``on_oversize`` hears of it."""
+        recv = self._sock.recv
+        frame = first
+        total = len(frame)
+        seen = 1
+        over = limit is not None and total > limit
+        frames: list[bytes] = [] if over else [frame.bytes]
+        while frame.more:
+            frame = recv(copy=False)
+            seen += 1
+            total += len(frame)
+            if over:
+                continue
+            if limit is not None and total > limit:
+                over = True
+                continue
+            frames.append(frame.bytes)
+        del frame, first
+        if not over:
+            return frames
+        self.oversize_dropped += 1
+        if self._on_oversize is not None:
+            try:
+                self._on_oversize(frames, total, seen)
+            except Exception as exc:
+                self._on_error(self._name, exc)
+        return None
 
 
 @dataclass
