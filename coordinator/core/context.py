@@ -284,7 +284,8 @@ class CoreContext:
         self._refresh_due = True
         self._log(INFO, "dp_rank=%d: %s -> %s (%s)", change.rank,
                   change.old.value if change.old else "absent",
-                  change.new.value if change.new else "absent", change.cause)
+                  change.new.value if change.new else "absent", change.cause,
+                  key=f"rank:{change.rank}:{change.new.value if change.new else 'absent'}")
         if change.new in (RankState.DEAD, None):
             self.counters["lease.dead"] += 1
             self._fail_rank_requests(change.rank, change.cause)
@@ -293,7 +294,8 @@ class CoreContext:
                                      rank=change.rank)
             if self.config.lockstep:
                 self._log(ERROR, "dp_rank=%d is gone (%s): in lockstep mode the group cannot "
-                          "finish a wave until it is back", change.rank, change.cause)
+                          "finish a wave until it is back", change.rank, change.cause,
+                          key=f"gone:{change.rank}")
 
     def _fail_rank_requests(self, rank: int, reason: str) -> None:
         for frontend, ids in self.requests.take_rank(rank).items():
@@ -304,7 +306,7 @@ class CoreContext:
         lease = self.membership.lease(rank)
         if lease is None or lease.state is not RankState.DRAINING or self.requests.count(rank):
             return
-        self._log(INFO, "dp_rank=%d drained: no requests in flight", rank)
+        self._log(INFO, "dp_rank=%d drained: no requests in flight", rank, key=f"drained:{rank}")
         self._notify_frontends(fp.RankDrained(rank))
 
     def _publish_full(self, now: float) -> None:
@@ -332,6 +334,8 @@ class CoreContext:
                    confirm=True)
 
     def _send_failed_log(self, socket: SocketName, identity: bytes) -> None:
+        # Keyed by socket only: peers choose their identities, and a key per identity
+        # would give every new one a line of its own.
         self._log(WARNING, "could not send on %s to %r (peer gone or queue full)", socket,
-                  identity, key=f"send:{socket}:{identity!r}")
+                  identity, key=f"send:{socket}")
 

@@ -159,7 +159,8 @@ class CoordinatorCore(EngineRules, FrontendRules):
             if not self.frontends.inits_sent:
                 self.frontends.inits_sent = True
                 self._state_changed()
-            self._log(INFO, "dp_rank=%d: sent INIT", identity_to_rank(action.identity))
+            rank = identity_to_rank(action.identity)
+            self._log(INFO, "dp_rank=%d: sent INIT", rank, key=f"init:{rank}")
         elif action.purpose is SendPurpose.PROBE_LEASE:
             self.membership.touch(identity_to_rank(action.identity), now)
         elif action.purpose is SendPurpose.PROBE_HOLDER:

@@ -84,7 +84,8 @@ class EngineRules(CoreContext):
         self._note_accepted("hello", result, now)
         if self.frontends.init_step() is InitStep.HOLD:
             self._log(INFO, "dp_rank=%d said HELLO; INIT waits until %d frontends registered "
-                      "(%d so far)", rank, self.frontends.expected, len(self.frontends))
+                      "(%d so far)", rank, self.frontends.expected, len(self.frontends),
+                      key=f"hold:{rank}")
             self.frontends.hold_init(rank, event.identity)
             return
         self._send_init(rank, event.identity)
@@ -100,7 +101,7 @@ class EngineRules(CoreContext):
             self.counters["handshake.replaced"] += 1
             self._log(WARNING, "dp_rank=%d: engine %s replaces %s (previous registration %s)",
                       lease.rank, lease.engine_id, result.replaced.engine_id,
-                      result.replaced.state.value)
+                      result.replaced.state.value, key=f"replaced:{lease.rank}")
             self._fail_rank_requests(lease.rank, "the engine was replaced by a new incarnation")
             self._apply_wave_actions(self.waves.on_group_changed(), now,
                                      cause=f"dp_rank={lease.rank} has a new incarnation",
@@ -116,7 +117,8 @@ class EngineRules(CoreContext):
         self._note_accepted("ready", result, now)
         self._send("handshake", event.identity, (vllm.encode_handshake_accepted(),),
                    SendPurpose.HANDSHAKE)
-        self._log(INFO, "dp_rank=%d ready (engine_id=%s)", event.rank, result.lease.engine_id)
+        self._log(INFO, "dp_rank=%d ready (engine_id=%s)", event.rank, result.lease.engine_id,
+                  key=f"ready:{event.rank}")
 
     # ---- engines: dispatch greetings, reports, the gate ------------------------------------
 
@@ -124,9 +126,15 @@ class EngineRules(CoreContext):
         rank = event.rank
         if self.membership.check_rank(rank) is not None:
             self._drop("dispatch", "rank_out_of_range", f"dp_rank={rank}")
-        elif self.membership.greeted(rank, now):
+            return
+        # Every message from a rank's identity greets; only the first of a registration
+        # is news (a connect is logged once, not once per message).
+        lease = self.membership.lease(rank)
+        first = lease is None or not lease.dispatch_connected
+        if self.membership.greeted(rank, now):
             self.counters["dispatch.greetings"] += 1
-            self._log(INFO, "dp_rank=%d connected on dispatch", rank)
+            if first:
+                self._log(INFO, "dp_rank=%d connected on dispatch", rank, key=f"greet:{rank}")
         else:
             # Handshook with someone else (vLLM's launcher) or not at all: it can still take
             # part in waves and stats, but nothing is routed to an unknown incarnation.
@@ -181,7 +189,8 @@ class EngineRules(CoreContext):
         if step is GateStep.LATE_READY:
             # A late or returning engine is blocked until it sees READY.
             self._out.append(Publish("back_publish", (vllm.READY,)))
-            self._log(INFO, "engine subscription on back_publish after start-up; sent READY")
+            self._log(INFO, "engine subscription on back_publish after start-up; sent READY",
+                      key="late-subscription")
         elif step is GateStep.OPEN:
             self._state_changed()
             self._out.append(Publish("back_publish", (vllm.READY,)))
@@ -193,10 +202,10 @@ class EngineRules(CoreContext):
             self._log(INFO, "all %d engines subscribed; READY sent", self.gate.expected)
         else:
             self._log(INFO, "engine subscribed on back_publish (%d of %d)",
-                      self.gate.subscriptions, self.gate.expected)
+                      self.gate.subscriptions, self.gate.expected, key="subscription")
 
     def _on_engine_unsubscribed(self, event: EngineUnsubscribed, now: float) -> None:
-        self._log(INFO, "the last engine subscriber left back_publish")
+        self._log(INFO, "the last engine subscriber left back_publish", key="unsubscription")
 
     # ---- front_publish upstream ------------------------------------------------------------
 

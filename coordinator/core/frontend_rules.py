@@ -60,10 +60,11 @@ class FrontendRules(CoreContext):
         if registration.verdict is RegisterVerdict.MOVED and previous is not None:
             moved = self.requests.move_frontend(previous.identity, identity)
             self._log(WARNING, "frontend client_index=%d re-registered from a new connection; "
-                      "%d in-flight requests now report to it", msg.client_index, moved)
+                      "%d in-flight requests now report to it", msg.client_index, moved,
+                      key=f"register:{msg.client_index}")
         else:
             self._log(INFO, "frontend client_index=%d registered (outputs at %s)",
-                      msg.client_index, msg.output_address)
+                      msg.client_index, msg.output_address, key=f"register:{msg.client_index}")
         wave, running = self.waves.snapshot()
         self._reply(identity, fp.Registered(
             msg.call_id, msg.client_index, self.config.rank_start, len(self.rank_range), wave,

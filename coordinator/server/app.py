@@ -176,8 +176,7 @@ class CoordinatorServer:
                 self._feed(Restore(saved, cfg.state_file))
         if cfg.metrics_port is not None:
             self.http = HttpEndpoints(cfg.metrics_host, cfg.metrics_port, clock=self.clock)
-            port = self.http.start()
-            log.info("metrics and health endpoints on http://%s:%d/", cfg.metrics_host, port)
+            self.http.start()  # logs its URL
         if cfg.addr_file:
             write_address_file(cfg.addr_file, self.addresses)
         return dict(self.addresses)
@@ -315,7 +314,10 @@ class CoordinatorServer:
 
     def _handler_failed(self, socket_name: str, exc: BaseException) -> None:
         self.counters[f"internal_error.{socket_name}"] += 1
-        log.error("internal error while handling a %s message", socket_name, exc_info=exc)
+        # Rate limited: a bug that one kind of message triggers must not flood the log.
+        self._ratelog.log(logging.ERROR, f"internal:{socket_name}",
+                          "internal error while handling a %s message", socket_name,
+                          exc_info=exc)
 
     def _own_counters(self) -> Mapping[str, int]:
         counters = dict(self.counters)

@@ -56,7 +56,7 @@ class _KeyCheck:
         with self.lock:
             self.refused[REFUSED_UNKNOWN_KEY] = self.refused.get(REFUSED_UNKNOWN_KEY, 0) + 1
         self._ratelog.log(
-            logging.WARNING, f"curve:{key!r}",
+            logging.WARNING, "curve:unknown_key",
             "refused a CURVE client with public key %s: it is not in the allowed client key "
             "directory", key.decode("ascii", "replace"),
         )

@@ -232,7 +232,8 @@ class RateLimitedLog:
     _suppressed: dict[str, int] = field(default_factory=dict)
     max_keys: int = 4096
 
-    def log(self, level: int, key: str, message: str, *args: object) -> None:
+    def log(self, level: int, key: str, message: str, *args: object,
+            exc_info: BaseException | None = None) -> None:
         now = self.clock()
         last = self._last.get(key)
         if last is not None and now - last < self.interval_s:
@@ -247,4 +248,4 @@ class RateLimitedLog:
         if suppressed:
             message += " (%d similar messages suppressed)"
             args = (*args, suppressed)
-        self.logger.log(level, message, *args)
+        self.logger.log(level, message, *args, exc_info=exc_info)
