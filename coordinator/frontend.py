@@ -223,6 +223,8 @@ class FrontendClient:
         self.curve = CurveClientKeys.from_options(curve_secret_key, curve_server_key)
         self.frontend_address = addresses["frontend"]
         self.publish_address = addresses["front_publish"]
+        #: The coordinator's owner-only operator socket, when the addresses name it.
+        self.admin_address = addresses.get("admin")
         self.client_index = client_index
         self.host = host
         self.call_timeout_s = call_timeout_s
@@ -262,6 +264,8 @@ class FrontendClient:
         self._finished_early: set[str] = set()
         self._report_due = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self._operator: zmq.asyncio.Socket | None = None
+        self._operator_lock = asyncio.Lock()
         self._started = False
         self._closed = False
 
@@ -339,10 +343,10 @@ class FrontendClient:
             if not future.done():
                 future.set_exception(FrontendClosed("the client was closed"))
         self._pending.clear()
-        for sock in (self._dealer, self._pull, self._sub):
+        for sock in (self._dealer, self._pull, self._sub, self._operator):
             if sock is not None:
                 sock.close(linger=0)
-        self._dealer = self._pull = self._sub = None
+        self._dealer = self._pull = self._sub = self._operator = None
         if self._owns_context:
             self._ctx.term()
         if self._owns_ipc_dir and self._ipc_dir is not None:
@@ -442,12 +446,49 @@ class FrontendClient:
 
     async def admin(self, command: fp.AdminCommand, rank: int, *,
                     timeout: float | None = None) -> fp.AdminDone:
-        """Cordon, uncordon or drain one rank; raises AdminError when refused."""
+        """Cordon, uncordon or drain one rank; raises AdminError when refused.
+
+        Admin commands need an operator (docs/OPERATIONS.md): without CURVE keys they go
+        to the coordinator's owner-only `admin` socket when the addresses name it (this
+        process must run as the coordinator's user); with keys, to the frontend socket,
+        where the key must be one of the coordinator's admin keys.
+        """
+        if self.curve is None and self.admin_address is not None:
+            return await self._operator_call(command, rank, timeout)
         reply = await self._call(
             lambda call_id: [fp.encode(fp.Admin(call_id, command, rank))],
             f"admin {command} {rank}", timeout, AdminError,
         )
         return _expect(reply, fp.AdminDone, "admin")
+
+    async def _operator_call(self, command: fp.AdminCommand, rank: int,
+                             timeout: float | None) -> fp.AdminDone:
+        if self._closed:
+            raise FrontendClosed("the client is closed")
+        limit = self.call_timeout_s if timeout is None else timeout
+        what = f"admin {command} {rank}"
+        async with self._operator_lock:
+            if self._operator is None:
+                self._operator = connect(self._ctx, zmq.DEALER, str(self.admin_address), CLIENT)
+            sock = self._operator
+            call_id = next(self._call_ids)
+            deadline = time.monotonic() + limit
+            await sock.send(fp.encode(fp.Admin(call_id, command, rank)))
+            while (remaining := deadline - time.monotonic()) > 0:
+                if not await sock.poll(int(remaining * 1000) + 1):
+                    break
+                frames = await sock.recv_multipart()
+                try:
+                    reply = fp.decode_reply(frames[0]) if len(frames) == 1 else None
+                except ProtocolError:
+                    reply = None
+                if reply is None or getattr(reply, "call_id", None) != call_id:
+                    continue  # a late answer to an earlier call
+                if isinstance(reply, fp.ErrorReply):
+                    raise AdminError(reply.code, reply.message)
+                return _expect(reply, fp.AdminDone, "admin")
+        self.stats["timeouts"] += 1
+        raise CoordinatorTimeout(what, limit)
 
     async def _call(
         self,

@@ -31,7 +31,8 @@ import msgspec
 from coordinator.core.persisted import SavedState
 
 SocketName: TypeAlias = Literal[
-    "handshake", "dispatch", "back_output", "back_publish", "front_publish", "frontend"
+    "handshake", "dispatch", "back_output", "back_publish", "front_publish", "frontend",
+    "admin",
 ]
 PublishSocket: TypeAlias = Literal["back_publish", "front_publish"]
 

@@ -76,6 +76,11 @@ class CoreConfig:
     policy: str = "least-loaded"
     legacy_frontends: bool = False
     """Also honour the pre-0.33 frontend wake, and publish 2-wide count rows."""
+    admin_keys: frozenset[str] = frozenset()
+    """CURVE client keys (Z85) of operators, who may run admin commands on ``frontend``."""
+    min_engines: int = 0
+    max_engines: int = 0
+    """Bounds on SCALE_ELASTIC_EP's rank count; 0 means ``engines`` (a fixed size)."""
     watchdog_stall_s: float = 30.0
     """0 disables the watchdog's alerts."""
     watchdog_rewake: bool = True

@@ -256,6 +256,7 @@ class CoordinatorCore(EngineRules, FrontendRules):
             return
         if socket == "handshake" and event.frame_count > 2:
             self._handshake_error(event.identity, "expected exactly one payload frame")
-        elif socket == "frontend" and event.frame_count >= 2:
+        elif socket in ("frontend", "admin") and event.frame_count >= 2:
             code = fp.ERR_TOO_LARGE if error.reason == "too_large" else fp.ERR_BAD_FRAME
-            self._reply(event.identity, fp.ErrorReply(event.call_id, code, error.message))
+            self._send(socket, event.identity,
+                       (fp.encode(fp.ErrorReply(event.call_id, code, error.message)),))

@@ -13,6 +13,7 @@ from logging import ERROR, INFO, WARNING
 
 from coordinator.core import liveness
 from coordinator.core.actions import REARM_TIMER, REFRESH_OBSERVED_NOW, Publish, SendPurpose
+from coordinator.core.authority import resize_refusal
 from coordinator.core.context import CoreContext
 from coordinator.core.events import (
     EngineGreeted,
@@ -223,7 +224,16 @@ class EngineRules(CoreContext):
             self._drop("front_publish", "bad_value", f"SCALE_ELASTIC_EP {event.new_count} "
                        f"leaves no ranks above rank_start={rank_start}")
             return
-        self._log(INFO, "SCALE_ELASTIC_EP: %d -> %d engines", len(self.rank_range), count)
+        config = self.config
+        refusal = resize_refusal(count, current=len(self.rank_range),
+                                 min_engines=config.min_engines or config.engines,
+                                 max_engines=config.max_engines or config.engines)
+        if refusal is not None:
+            self.counters["refused.front_publish.scale_out_of_range"] += 1
+            self._log(WARNING, "%s", refusal, key="resize-refused")
+            return
+        self._log(INFO, "SCALE_ELASTIC_EP: %d -> %d engines", len(self.rank_range), count,
+                  key="resize")
         for change in self.membership.resize(count):
             self._on_rank_changed(change, now)
         self._rank_end = rank_start + count

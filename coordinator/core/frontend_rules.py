@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from logging import INFO, WARNING
 
-from coordinator.core.actions import Action, DispatchAdd, Send, SendPurpose
+from coordinator.core.actions import Action, DispatchAdd, Send, SendPurpose, SocketName
+from coordinator.core.authority import Authority, authority, not_authorized_message
 from coordinator.core.context import CoreContext
 from coordinator.core.events import FrontendRequestReceived
 from coordinator.core.frontends import RegisterVerdict
@@ -33,6 +34,9 @@ class FrontendRules(CoreContext):
 
     def _on_frontend_request(self, event: FrontendRequestReceived, now: float) -> None:
         message = event.message
+        if event.channel == "admin":
+            self._on_operator_request(event, now)
+            return
         if type(message) is fp.Submit:
             self._on_submit(event.identity, message, event.payload, now)
         elif type(message) is fp.Finished:
@@ -45,7 +49,26 @@ class FrontendRules(CoreContext):
         elif type(message) is fp.QueryState:
             self._reply(event.identity, fp.StateReply(message.call_id, self.group_state(now)))
         elif type(message) is fp.Admin:
-            self._on_admin(event.identity, message, now)
+            operator = authority(event.channel, event.user_id, self.config.admin_keys)
+            self._on_admin("frontend", event.identity, message, now,
+                           operator=operator is Authority.OPERATOR)
+
+    def _on_operator_request(self, event: FrontendRequestReceived, now: float) -> None:
+        """The owner-only admin socket: operators' commands and state queries, nothing else."""
+        message = event.message
+        if type(message) is fp.Admin:
+            self._on_admin("admin", event.identity, message, now, operator=True)
+        elif type(message) is fp.QueryState:
+            self._answer("admin", event.identity,
+                         fp.StateReply(message.call_id, self.group_state(now)))
+        else:
+            self._drop("admin", "wrong_socket", type(message).__name__)
+            self._answer("admin", event.identity, fp.ErrorReply(
+                fp.call_id_of(message), fp.ERR_BAD_FRAME, "the admin socket takes only "
+                "'admin' and 'state' messages; frontends use the frontend socket"))
+
+    def _answer(self, socket: SocketName, identity: bytes, message: fp.FrontendReply) -> None:
+        self._out.append(Send(socket, identity, (fp.encode(message),)))
 
     def _on_register(self, identity: bytes, msg: fp.Register) -> None:
         registration = self.frontends.register(
@@ -172,7 +195,22 @@ class FrontendRules(CoreContext):
         routed = [request_id for ids in by_rank.values() for request_id in ids]
         self._reply(identity, fp.Aborted(msg.call_id, routed))
 
-    def _on_admin(self, identity: bytes, msg: fp.Admin, now: float) -> None:
+    def _on_admin(self, socket: SocketName, identity: bytes, msg: fp.Admin, now: float, *,
+                  operator: bool) -> None:
+        if not operator:
+            self.counters["refused.admin.not_authorized"] += 1
+            self._log(WARNING, "refused %s dp_rank=%d from a frontend connection that is not "
+                      "an operator (see core.authority)", msg.command, msg.rank,
+                      key="admin:not_authorized")
+            self._answer(socket, identity, fp.ErrorReply(
+                msg.call_id, fp.ERR_NOT_AUTHORIZED, not_authorized_message(msg.command)))
+            return
+        if self.membership.check_rank(msg.rank) is not None:
+            first, last = self.config.rank_start, self.config.rank_start + len(self.rank_range) - 1
+            self._answer(socket, identity, fp.ErrorReply(
+                msg.call_id, fp.ERR_ADMIN_REFUSED, f"dp_rank={msg.rank} is not one of this "
+                f"coordinator's ranks ({first}..{last}); `dp-coordinator status` lists them"))
+            return
         if msg.command == "cordon":
             result = self.membership.cordon(msg.rank)
         elif msg.command == "uncordon":
@@ -180,12 +218,12 @@ class FrontendRules(CoreContext):
         else:
             result = self.membership.drain(msg.rank)
         if isinstance(result, Refused):
-            self._reply(identity, fp.ErrorReply(msg.call_id, fp.ERR_ADMIN_REFUSED,
-                                                result.message))
+            self._answer(socket, identity, fp.ErrorReply(msg.call_id, fp.ERR_ADMIN_REFUSED,
+                                                         result.message))
             return
+        self.counters[f"admin.{msg.command}"] += 1
         self._on_rank_changed(result, now)
-        self._reply(identity, fp.AdminDone(msg.call_id, msg.rank,
-                                           result.new.value if result.new else "absent"))
+        self._answer(socket, identity, fp.AdminDone(
+            msg.call_id, msg.rank, result.new.value if result.new else "absent"))
         if msg.command == "drain":
             self._maybe_drained(msg.rank)
-

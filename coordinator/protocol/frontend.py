@@ -211,6 +211,7 @@ ERR_ADMIN_REFUSED = "admin_refused"
 ERR_SHUTTING_DOWN = "shutting_down"
 ERR_BAD_CLIENT_INDEX = "bad_client_index"
 ERR_TOO_LARGE = "too_large"
+ERR_NOT_AUTHORIZED = "not_authorized"
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(FrontendRequest)

@@ -31,8 +31,9 @@ DEFAULT_MAX_REQUEST_BYTES = 16 * MIB
 """``frontend``: every message, a submit with its payload frames included."""
 DEFAULT_MAX_ENGINE_MESSAGE_BYTES = 1 * MIB
 """``handshake``, ``dispatch``, ``back_output``: HELLO/READY, greetings, stats reports."""
-SUBSCRIPTION_MAX_MESSAGE_BYTES = 64 * 1024
-"""Upstream of ``back_publish`` and ``front_publish``: subscriptions, SCALE_ELASTIC_EP."""
+CONTROL_MAX_MESSAGE_BYTES = 64 * 1024
+"""Upstream of ``back_publish`` and ``front_publish`` (subscriptions, SCALE_ELASTIC_EP),
+and the operators' ``admin`` socket."""
 
 FrameHandler = Callable[[list[bytes]], None]
 OversizeHandler = Callable[[list[bytes], int, int], None]
@@ -107,6 +108,9 @@ class FrameReader:
     the edge of a message that arrived meanwhile, and the reader would never wake.
     Whoever sends on a read socket must therefore call `poke()` afterwards.
 
+    ``on_peer``, when given, hears each message's ``User-Id`` (its connection's CURVE
+    key, set by the ZAP handler) just before the message is handled.
+
     With ``max_message_bytes``, a message whose frames together pass the bound is
     not delivered: the frames read before it passed are handed to ``on_oversize``
     (a ROUTER's identity and a header, to answer with), the rest are taken off the
@@ -123,6 +127,7 @@ class FrameReader:
         batch: int = 128,
         max_message_bytes: int | None = None,
         on_oversize: OversizeHandler | None = None,
+        on_peer: Callable[[str | None], None] | None = None,
     ) -> None:
         self._sock = sock
         self._handler = handler
@@ -131,6 +136,7 @@ class FrameReader:
         self._batch = batch
         self._max_message_bytes = max_message_bytes
         self._on_oversize = on_oversize
+        self._on_peer = on_peer
         self._readable = asyncio.Event()
         self._fd = int(sock.getsockopt(zmq.FD))
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -177,6 +183,8 @@ class FrameReader:
             except zmq.Again:
                 break
             count += 1
+            if self._on_peer is not None:
+                self._on_peer(peer_user_id(frame))
             if frame.more or (limit is not None and len(frame) > limit):
                 frames = self._read_multipart(frame, limit)
                 if frames is None:
@@ -219,6 +227,15 @@ class FrameReader:
             except Exception as exc:
                 self._on_error(self._name, exc)
         return None
+
+
+def peer_user_id(frame: zmq.Frame) -> str | None:
+    """The ``User-Id`` the ZAP handler gave the frame's connection (a CURVE key), if any."""
+    try:
+        value = frame.get("User-Id")
+    except zmq.ZMQError:
+        return None
+    return value if isinstance(value, str) and value else None
 
 
 @dataclass

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import pytest
+
 from coordinator.core.actions import SocketName
-from coordinator.core.events import BadFrame
+from coordinator.core.events import BadFrame, FrontendRequestReceived
 from coordinator.protocol import frontend as fp
+from coordinator.protocol import vllm
 from coordinator.protocol.errors import ProtocolError
 from tests.unit.core_driver import Driver, frontend_identity
 
 F0 = frontend_identity(0)
+ADMIN_KEY = "A" * 40
 
 
 def too_large(socket: SocketName, *, identity: bytes | None = None, rank: int | None = None,
@@ -49,3 +53,85 @@ def test_an_oversize_handshake_is_refused_with_a_reply_the_engine_can_read() -> 
     assert "bound of 50 bytes" in reply.reason  # type: ignore[union-attr]
     assert driver.core.counter_values()["refused.handshake.too_large"] == 1
     assert driver.core.membership.lease(1) is None
+
+
+# ---- operator authority --------------------------------------------------------------------
+
+
+def ready_group(engines: int = 2, **config: object) -> Driver:
+    driver = Driver.start(engines=engines, **config)
+    driver.start_group(range(engines))
+    driver.register(0)
+    return driver
+
+
+def states(driver: Driver) -> list[str]:
+    return [engine.state for engine in driver.core.group_state(driver.now).engines]
+
+
+@pytest.mark.parametrize("command", ["cordon", "uncordon", "drain"])
+def test_admin_from_a_frontend_connection_is_refused_and_changes_nothing(command: str) -> None:
+    driver = ready_group()
+    before = states(driver)
+    (reply,) = driver.request(F0, fp.Admin(driver.call_id(), command, 1))  # type: ignore[arg-type]
+    assert isinstance(reply, fp.ErrorReply) and reply.code == fp.ERR_NOT_AUTHORIZED
+    assert reply.message.startswith(f"{command} changes membership and needs an operator")
+    assert states(driver) == before
+    assert driver.core.counter_values()["refused.admin.not_authorized"] == 1
+
+
+def test_admin_from_a_curve_key_is_taken_only_when_the_key_is_an_admin_key() -> None:
+    driver = ready_group(admin_keys=frozenset({ADMIN_KEY}))
+    stranger = FrontendRequestReceived(F0, fp.Admin(driver.call_id(), "cordon", 1), [],
+                                       "frontend", "B" * 40)
+    driver.feed(stranger)
+    assert states(driver) == ["ready", "ready"]
+    operator = FrontendRequestReceived(F0, fp.Admin(driver.call_id(), "cordon", 1), [],
+                                       "frontend", ADMIN_KEY)
+    driver.feed(operator)
+    assert states(driver) == ["ready", "cordoned"]
+    codes = [r.code if isinstance(r, fp.ErrorReply) else type(r).__name__
+             for r in driver.replies(F0)[1:]]
+    assert codes == [fp.ERR_NOT_AUTHORIZED, "AdminDone"]
+    assert driver.core.counter_values()["admin.cordon"] == 1
+
+
+def test_the_admin_socket_is_an_operator_and_answers_on_itself() -> None:
+    driver = ready_group()
+    (done,) = driver.operator(fp.Admin(driver.call_id(), "drain", 1))
+    assert isinstance(done, fp.AdminDone) and done.state == "draining"
+    (state,) = driver.operator(fp.QueryState(driver.call_id()))
+    assert isinstance(state, fp.StateReply)
+    # Frontend business does not belong there.
+    (refused,) = driver.operator(fp.Register(driver.call_id(), 1, "ipc:///run/x"))
+    assert isinstance(refused, fp.ErrorReply) and refused.code == fp.ERR_BAD_FRAME
+    assert "the admin socket takes only" in refused.message
+    assert len(driver.core.frontends) == 1
+
+
+def test_a_rank_out_of_range_gets_an_operators_message() -> None:
+    driver = ready_group()
+    (reply,) = driver.operator(fp.Admin(driver.call_id(), "cordon", 9))
+    assert isinstance(reply, fp.ErrorReply) and reply.code == fp.ERR_ADMIN_REFUSED
+    assert reply.message == ("dp_rank=9 is not one of this coordinator's ranks (0..1); "
+                             "`dp-coordinator status` lists them")
+
+
+# ---- SCALE_ELASTIC_EP bounds ---------------------------------------------------------------
+
+
+def test_a_resize_out_of_the_bounds_is_refused_counted_and_changes_nothing() -> None:
+    driver = ready_group()
+    for count in (65536, 3, 1):
+        driver.feed(vllm.ScaleElasticEP(count))
+    assert driver.core.rank_range == range(0, 2) and driver.core.loads.size == 2
+    assert driver.core.counter_values()["refused.front_publish.scale_out_of_range"] == 3
+    assert states(driver) == ["ready", "ready"]
+
+
+def test_a_resize_within_the_bounds_is_honoured() -> None:
+    driver = ready_group(min_engines=1, max_engines=4)
+    driver.feed(vllm.ScaleElasticEP(4))
+    assert driver.core.rank_range == range(0, 4)
+    driver.feed(vllm.ScaleElasticEP(5))
+    assert driver.core.rank_range == range(0, 4)

@@ -369,7 +369,7 @@ class CoreGroup(RuleBasedStateMachine):
     @rule(command=st.sampled_from(["cordon", "uncordon", "drain"]), data=st.data())
     def operator_command(self, command: str, data: st.DataObject) -> None:
         rank = data.draw(st.integers(0, self.ranks - 1))
-        self.driver.request(b"\x00admin", fp.Admin(self.driver.call_id(), command, rank))
+        self.driver.operator(fp.Admin(self.driver.call_id(), command, rank))
 
     # ---- time ------------------------------------------------------------------------------
 

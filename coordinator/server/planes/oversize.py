@@ -13,7 +13,7 @@ from coordinator.protocol import frontend as fp
 from coordinator.protocol.errors import ProtocolError
 from coordinator.protocol.identity import identity_to_rank
 
-ROUTER_SOCKETS = frozenset({"handshake", "dispatch", "frontend"})
+ROUTER_SOCKETS = frozenset({"handshake", "dispatch", "frontend", "admin"})
 
 
 def oversize_event(socket: SocketName, kept: list[bytes], total: int, frame_count: int,
@@ -25,7 +25,7 @@ def oversize_event(socket: SocketName, kept: list[bytes], total: int, frame_coun
     if socket not in ROUTER_SOCKETS or not kept:
         return BadFrame(socket, error, frame_count=frame_count)
     identity = kept[0]
-    if socket == "frontend":
+    if socket in ("frontend", "admin"):
         call_id = fp.salvage_call_id(kept[1]) if len(kept) > 1 else 0
         return BadFrame(socket, error, identity=identity, frame_count=frame_count,
                         call_id=call_id)
