@@ -115,6 +115,8 @@ class ParallelSettings:
     """vLLM's name for "external or hybrid load balancing": each API server
     manages only its own node's engines and may run on another node."""
     enable_elastic_ep: bool = False
+    elastic_ep_max_dp_size: int | None = None
+    """vLLM's bound on elastic EP's data_parallel_size (None: data_parallel_size)."""
 
     @property
     def engines_all_local(self) -> bool:
@@ -177,6 +179,7 @@ def resolve_parallel_settings(
         ),
         local_engines_only=bool(pick(local_engines_only, "local_engines_only", lb_default)),
         enable_elastic_ep=bool(pick(enable_elastic_ep, "enable_elastic_ep", False)),
+        elastic_ep_max_dp_size=getattr(parallel_config, "elastic_ep_max_dp_size", None),
     )
     settings.validate()
     return settings
@@ -516,6 +519,13 @@ class DPCoordinatorProcess:
                 )
                 ipc_dir = owned_ipc_dir
             args += ["--ipc-dir", ipc_dir]
+        if self.settings.enable_elastic_ep:
+            # vLLM's frontends resize the group with SCALE_ELASTIC_EP, within the bound
+            # vLLM itself enforces; by default the coordinator's size is fixed.
+            size = self.settings.data_parallel_size
+            most = self.settings.elastic_ep_max_dp_size
+            args += ["--min-engines", "1", "--max-engines",
+                     str(most if isinstance(most, int) and most >= size else size)]
         args += env_args
         args += list(extra_args)
         if host is not None and self._needs_insecure(host, args):
