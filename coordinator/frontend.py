@@ -50,13 +50,26 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
 
 from coordinator._zmq import CLIENT, OUTPUTS, CurveClientKeys, bind, connect
+from coordinator.frontend_errors import (
+    AdminError,
+    CoordinatorTimeout,
+    EngineDead,
+    FinishedRequest,
+    FrontendClosed,
+    FrontendError,
+    InvalidRequest,
+    Notice,
+    RegisterError,
+    ReplyError,
+    SubmitError,
+    finished_ids,
+)
 from coordinator.protocol import frontend as fp
 from coordinator.protocol import vllm
 from coordinator.protocol.addresses import tcp_endpoint
@@ -86,93 +99,13 @@ _FINISHED_BATCH = fp.MAX_ABORT_IDS
 # Finished ids kept while the coordinator does not take them, and the retry pause.
 _MAX_UNREPORTED = 1 << 20
 _REPORT_RETRY_S = 0.1
-# Position of `finish_reason` in vLLM's array-encoded EngineCoreOutput.
-_FINISH_REASON_INDEX = 5
+# Loop turns a RankLost notice waits for queued outputs to be read first.
+_OUTPUT_DRAIN_TURNS = 1000
+# Heartbeat interval until the coordinator names its own (in `Alive`).
+_FIRST_HEARTBEAT_S = 1.0
 
-
-class FrontendError(Exception):
-    """Base class of every error the SDK raises."""
-
-
-class FrontendClosed(FrontendError):
-    """The client was closed while a call was waiting (or before it started)."""
-
-
-class CoordinatorTimeout(FrontendError, TimeoutError):
-    """The coordinator did not answer within the call's timeout."""
-
-    def __init__(self, what: str, timeout_s: float) -> None:
-        super().__init__(f"no answer from the coordinator to {what} within {timeout_s:g} s")
-        self.what = what
-        self.timeout_s = timeout_s
-
-
-class InvalidRequest(FrontendError, ValueError):
-    """A call's arguments are outside the protocol's bounds; nothing was sent."""
-
-
-class ReplyError(FrontendError):
-    """The coordinator answered a call with an ErrorReply."""
-
-    def __init__(self, code: str, message: str, request_id: str | None = None) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-        self.request_id = request_id
-
-
-class RegisterError(ReplyError):
-    """Register was refused (e.g. `bad_client_index`)."""
-
-
-class SubmitError(ReplyError):
-    """Submit was refused (e.g. `unknown_rank`, `duplicate_request_id`)."""
-
-
-class AdminError(ReplyError):
-    """An admin command, state query or abort was refused."""
-
-
-@dataclass(frozen=True)
-class FinishedRequest:
-    """One request an engine reported finished, as seen on this client's PULL."""
-
-    request_id: str
-    engine_index: int
-    at: float
-    """`time.monotonic()` when the output was read."""
-
-
-@dataclass(frozen=True)
-class EngineDead:
-    """An engine sent ENGINE_CORE_DEAD to this frontend's output socket."""
-
-    at: float
-
-
-Notice = fp.RequestsFailed | fp.RankDrained | fp.ShuttingDown | fp.ErrorReply | EngineDead
-"""Something the coordinator or an engine told us without being asked.
-
-An `ErrorReply` here has call id 0 (or an id no call waits for): the coordinator
-could not read one of our messages, so it could not say which call it was."""
 
 _T = TypeVar("_T")
-
-
-def finished_ids(message: vllm.EngineCoreOutputs) -> list[str]:
-    """Request ids an EngineCoreOutputs reports finished, in order, without repeats."""
-    seen: dict[str, None] = {}
-    for output in message.outputs:
-        if (
-            isinstance(output, (list, tuple))
-            and len(output) > _FINISH_REASON_INDEX
-            and output[_FINISH_REASON_INDEX] is not None
-            and isinstance(output[0], str)
-        ):
-            seen[output[0]] = None
-    for request_id in message.finished_requests or ():
-        seen[request_id] = None
-    return list(seen)
 
 
 class FrontendClient:
@@ -263,6 +196,9 @@ class FrontendClient:
         self._submitting: dict[str, int] = {}
         self._finished_early: set[str] = set()
         self._report_due = asyncio.Event()
+        # Ranks whose outputs arrived since the last heartbeat, and its interval.
+        self._progress: set[int] = set()
+        self.heartbeat_s = _FIRST_HEARTBEAT_S
         self._tasks: list[asyncio.Task[None]] = []
         self._operator: zmq.asyncio.Socket | None = None
         self._operator_lock = asyncio.Lock()
@@ -308,6 +244,7 @@ class FrontendClient:
         self._spawn(self._pull_loop(), "outputs")
         self._spawn(self._publish_loop(), "publishes")
         self._spawn(self._report_loop(), "finished")
+        self._spawn(self._heartbeat_loop(), "heartbeat")
 
     def _open_sockets(self) -> None:
         if self.host is None:
@@ -611,7 +548,33 @@ class FrontendClient:
                 log.warning("frontend %d: unreadable coordinator reply: %s",
                             self.client_index, exc)
                 continue
+            if isinstance(reply, fp.RankLost):
+                await self._on_rank_lost(reply)
+                continue
             self._on_reply(reply)
+
+    async def _on_rank_lost(self, lost: fp.RankLost) -> None:
+        """Fail what this client sent to a rank that died and has not seen finish.
+
+        The coordinator already sent `RequestsFailed` for the requests it knew of; this
+        covers the rest (sent before it restarted). Outputs that are already waiting on
+        the output socket are read first, so a request that did finish is not failed.
+        """
+        self.stats["ranks_lost"] += 1
+        pull = self._pull
+        for _ in range(_OUTPUT_DRAIN_TURNS):
+            # The output reader takes what is queued while this one yields.
+            if pull is None or not int(pull.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                break
+            await asyncio.sleep(0)
+        ids = [request_id for request_id, rank in self.in_flight.items() if rank == lost.rank]
+        if not ids:
+            return
+        for request_id in ids:
+            del self.in_flight[request_id]
+        self.stats["requests_failed"] += len(ids)
+        self.stats["requests_failed_by_client"] += len(ids)
+        self._notice(fp.RequestsFailed(ids, lost.rank, lost.reason))
 
     def _on_reply(self, reply: fp.FrontendReply) -> None:
         if isinstance(reply, fp.RequestsFailed):
@@ -623,6 +586,8 @@ class FrontendClient:
         if isinstance(reply, (fp.RankDrained, fp.ShuttingDown)):
             self._notice(reply)
             return
+        if isinstance(reply, fp.RankLost):
+            return  # handled by the reader, which can wait for the output socket
         future = self._pending.get(reply.call_id)
         if future is None:
             if isinstance(reply, fp.ErrorReply):
@@ -639,28 +604,33 @@ class FrontendClient:
         if pull is None:
             return
         while True:
-            frames = await pull.recv_multipart(copy=True)
-            now = time.monotonic()
-            head = frames[0]
-            if head == vllm.ENGINE_CORE_DEAD:
-                self._notice(EngineDead(now))
-                continue
-            try:
-                message = vllm.decode_engine_outputs(head)
-            except ProtocolError as exc:
-                self.stats[f"bad_output.{exc.reason}"] += 1
-                continue
-            self.stats["outputs"] += 1
-            ids = finished_ids(message)
-            if not ids:
-                continue
-            for request_id in ids:
-                if self.in_flight.pop(request_id, None) is None \
-                        and request_id in self._submitting:
-                    self._finished_early.add(request_id)
-                self._finish(FinishedRequest(request_id, message.engine_index, now))
-            self._to_report += ids
-            self._report_due.set()
+            self._on_output(await pull.recv_multipart(copy=True))
+
+    def _on_output(self, frames: list[bytes]) -> None:
+        now = time.monotonic()
+        head = frames[0]
+        if head == vllm.ENGINE_CORE_DEAD:
+            self._notice(EngineDead(now))
+            return
+        try:
+            message = vllm.decode_engine_outputs(head)
+        except ProtocolError as exc:
+            self.stats[f"bad_output.{exc.reason}"] += 1
+            return
+        self.stats["outputs"] += 1
+        ids = finished_ids(message)
+        if message.outputs or ids:
+            # Evidence that this rank is stepping, for the coordinator's hang watchdog.
+            self._progress.add(message.engine_index)
+        if not ids:
+            return
+        for request_id in ids:
+            if self.in_flight.pop(request_id, None) is None \
+                    and request_id in self._submitting:
+                self._finished_early.add(request_id)
+            self._finish(FinishedRequest(request_id, message.engine_index, now))
+        self._to_report += ids
+        self._report_due.set()
 
     def _finish(self, item: FinishedRequest) -> None:
         self.stats["finished"] += 1
@@ -671,6 +641,40 @@ class FrontendClient:
                 log.exception("on_finished callback failed")
             return
         _put(self._finished_q, item, self.stats, "finished_dropped")
+
+    async def _heartbeat_loop(self) -> None:
+        """Keep the registration (a lease) alive; register again if the coordinator lost it
+        (its lease expired, or the coordinator restarted without a state file)."""
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            if self.registered is None:
+                continue
+            progress = sorted(self._progress)[:fp.MAX_ABORT_IDS]
+            self._progress.clear()
+            try:
+                reply = await self._call(_heartbeat_builder(self.client_index, progress),
+                                         "heartbeat", None, RegisterError)
+            except CoordinatorTimeout:
+                continue  # the coordinator is away; the lease question waits for it
+            except RegisterError as exc:
+                if exc.code != fp.ERR_NOT_REGISTERED:
+                    log.warning("frontend %d: heartbeat refused: %s", self.client_index, exc)
+                    continue
+                await self._register_again()
+                continue
+            if isinstance(reply, fp.Alive):
+                self.stats["heartbeats"] += 1
+                self.heartbeat_s = max(0.05, reply.interval_s)
+
+    async def _register_again(self) -> None:
+        self.stats["reregistered"] += 1
+        log.info("frontend %d: the coordinator no longer holds our registration; "
+                 "registering again", self.client_index)
+        try:
+            await self.register()
+        except (RegisterError, CoordinatorTimeout) as exc:
+            self.stats["reregister_failed"] += 1
+            log.warning("frontend %d: registering again failed: %s", self.client_index, exc)
 
     async def _report_loop(self) -> None:
         while True:
@@ -744,6 +748,14 @@ class FrontendClient:
 def _abort_builder(request_ids: list[str]) -> Callable[[int], list[bytes]]:
     def build(call_id: int) -> list[bytes]:
         return [fp.encode(fp.Abort(call_id, request_ids))]
+
+    return build
+
+
+def _heartbeat_builder(client_index: int, progress: list[int]
+                       ) -> Callable[[int], list[bytes]]:
+    def build(call_id: int) -> list[bytes]:
+        return [fp.encode(fp.Heartbeat(call_id, client_index, progress))]
 
     return build
 

@@ -93,7 +93,7 @@ SERVE_OPTIONS: Final = frozenset({
     "--no-wave-coordination", "--policy", "--port-base", "--publish-interval-ms",
     "--rank-start", "--recorder-size", "--state-file", "--vllm-compat", "--watchdog-stall-s",
     "--max-engine-message-bytes", "--max-request-bytes", "--admin-keys-dir", "--min-engines",
-    "--max-engines",
+    "--max-engines", "--frontend-lease-ttl-s",
 })
 """Every long option of `dp-coordinator serve`, which argparse matches by unique prefix.
 

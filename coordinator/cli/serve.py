@@ -77,6 +77,9 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
                    "its model there, silently (default 1800)")
     p.add_argument("--policy", default="least-loaded", choices=["least-loaded", "p2c"],
                    help="how submitted requests pick a rank (default least-loaded)")
+    p.add_argument("--frontend-lease-ttl-s", type=float, default=30.0, metavar="S",
+                   help="a frontend registration with no message or heartbeat for this long "
+                   "expires, freeing its slot (the SDK heartbeats every S/3) (default 30)")
     p.add_argument("--min-engines", type=int, default=0, metavar="N",
                    help="fewest ranks a SCALE_ELASTIC_EP may leave (default: --engines, so "
                    "the group size is fixed); smaller requests are refused and counted")
@@ -163,6 +166,7 @@ def run_serve(args: argparse.Namespace) -> int:
         lease_ttl_s=args.lease_ttl_s,
         handshake_timeout_s=args.handshake_timeout_s,
         policy=args.policy,
+        frontend_lease_ttl_s=args.frontend_lease_ttl_s,
         min_engines=args.min_engines,
         max_engines=args.max_engines,
         max_request_bytes=args.max_request_bytes,

@@ -76,6 +76,8 @@ class CoreConfig:
     policy: str = "least-loaded"
     legacy_frontends: bool = False
     """Also honour the pre-0.33 frontend wake, and publish 2-wide count rows."""
+    frontend_lease_ttl_s: float = 30.0
+    """A frontend registration not renewed (traffic, heartbeats) for this long expires."""
     admin_keys: frozenset[str] = frozenset()
     """CURVE client keys (Z85) of operators, who may run admin commands on ``frontend``."""
     min_engines: int = 0
@@ -111,7 +113,8 @@ class CoreContext:
         )
         self.gate = StartGate(config.engines)
         self.frontends = FrontendRegistry(
-            expected=config.frontends, max_frontends=config.max_frontends
+            expected=config.frontends, max_frontends=config.max_frontends,
+            lease_ttl_s=config.frontend_lease_ttl_s,
         )
         self.requests = RequestLedger(max_in_flight=config.max_in_flight)
         self.recorder = FlightRecorder(config.recorder_size)
@@ -190,6 +193,7 @@ class CoreContext:
             version=STATE_VERSION, wave=self.waves.current_wave, gate_open=self.gate.is_open,
             inits_sent=self.frontends.inits_sent, leases=leases,
             frontends=self.frontends.saved(), addresses=dict(self.addresses),
+            pinned=self.frontends.pinned() or None,
         )
 
     # ---- outputs ---------------------------------------------------------------------------
@@ -306,6 +310,9 @@ class CoreContext:
         for frontend, ids in self.requests.take_rank(rank).items():
             self.counters["requests.failed"] += len(ids)
             self._reply(frontend, fp.RequestsFailed(ids, rank, reason), SendPurpose.NOTICE)
+        # Every frontend hears of it too, after its own failures: requests sent there
+        # before a coordinator restart have no entry here, and the SDK fails them itself.
+        self._notify_frontends(fp.RankLost(rank, reason))
 
     def _maybe_drained(self, rank: int) -> None:
         lease = self.membership.lease(rank)
@@ -326,9 +333,11 @@ class CoreContext:
 
     def _send_init(self, rank: int, identity: bytes) -> None:
         frontends = self.frontends
+        # An index nobody holds points at back_output, where a stray output is dropped and
+        # counted instead of reaching another frontend (see core.frontends).
         addresses = vllm.EngineZmqAddresses(
             inputs=[self.addresses["dispatch"], *frontends.input_addresses()],
-            outputs=frontends.output_addresses(),
+            outputs=frontends.output_addresses(hole=self.addresses["back_output"]),
             coordinator_input=self.addresses["back_publish"],
             coordinator_output=self.addresses["back_output"],
             frontend_stats_publish_address=self.addresses["front_publish"],

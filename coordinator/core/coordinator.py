@@ -156,6 +156,10 @@ class CoordinatorCore(EngineRules, FrontendRules):
     def _on_send_succeeded(self, event: SendSucceeded, now: float) -> None:
         action = event.action
         if action.purpose is SendPurpose.INIT:
+            # The engine pushes to the addresses it carried for good: pin them. Nothing
+            # changed in between: the outcome is reported right after the send.
+            if self.frontends.pin_outputs():
+                self._state_changed()
             if not self.frontends.inits_sent:
                 self.frontends.inits_sent = True
                 self._state_changed()
@@ -172,6 +176,7 @@ class CoordinatorCore(EngineRules, FrontendRules):
         if now >= self._next_lease_check:
             self._next_lease_check = now + self._lease_interval_s
             self._check_leases(now)
+            self._expire_frontends(now)
         if now >= self._next_observe:
             self._next_observe = now + self.config.observe_interval_s
             self._observe(now)
@@ -207,7 +212,8 @@ class CoordinatorCore(EngineRules, FrontendRules):
             )
             if isinstance(result, Refused):
                 self._log(WARNING, "state file: %s", result.message)
-        self.frontends.restore(saved.frontends, inits_sent=saved.inits_sent)
+        self.frontends.restore(saved.frontends, inits_sent=saved.inits_sent, now=now,
+                               pinned=saved.pinned)
         if saved.gate_open:
             # Engines already passed the start-up gate; their reconnecting subscriptions
             # only get READY again, which they ignore.

@@ -37,13 +37,16 @@ class FrontendRules(CoreContext):
         if event.channel == "admin":
             self._on_operator_request(event, now)
             return
+        self.frontends.touch(event.identity, now)
         if type(message) is fp.Submit:
             self._on_submit(event.identity, message, event.payload, now)
         elif type(message) is fp.Finished:
             for request_id in message.request_ids:
                 self._forget(request_id)
+        elif type(message) is fp.Heartbeat:
+            self._on_heartbeat(event.identity, message, now)
         elif type(message) is fp.Register:
-            self._on_register(event.identity, message)
+            self._on_register(event.identity, message, now)
         elif type(message) is fp.Abort:
             self._on_abort(event.identity, message)
         elif type(message) is fp.QueryState:
@@ -70,9 +73,51 @@ class FrontendRules(CoreContext):
     def _answer(self, socket: SocketName, identity: bytes, message: fp.FrontendReply) -> None:
         self._out.append(Send(socket, identity, (fp.encode(message),)))
 
-    def _on_register(self, identity: bytes, msg: fp.Register) -> None:
+    def _on_heartbeat(self, identity: bytes, msg: fp.Heartbeat, now: float) -> None:
+        if msg.progress:
+            self._observe_outputs(msg.progress, now)
+        if not self.frontends.holds(identity, msg.client_index):
+            self.counters["frontend.heartbeat_unregistered"] += 1
+            self._reply(identity, fp.ErrorReply(
+                msg.call_id, fp.ERR_NOT_REGISTERED, f"client_index {msg.client_index} is not "
+                "registered from this connection (its lease expired, or the coordinator "
+                "restarted without it): register again"))
+            return
+        self._reply(identity, fp.Alive(msg.call_id, self.frontends.lease_ttl_s,
+                                       self._heartbeat_interval_s()))
+
+    def _heartbeat_interval_s(self) -> float:
+        """How often frontends should heartbeat: for their lease, and often enough that
+        their evidence of progress reaches the watchdog well within its stall time."""
+        interval = self.frontends.heartbeat_interval_s
+        if self.config.watchdog_stall_s > 0:
+            interval = min(interval, self.config.watchdog_stall_s / 4)
+        return interval
+
+    def _observe_outputs(self, ranks: list[int], now: float) -> None:
+        """Outputs of ``ranks`` reached a frontend: they are stepping (see core.watchdog)."""
+        members = [rank for rank in ranks if self.config.rank_start <= rank < self._rank_end]
+        if members:
+            self.watchdog.observe_outputs(members, now=now)
+
+    def _expire_frontends(self, now: float) -> None:
+        """Registrations nobody renewed: free their slots (see core.frontends)."""
+        for peer in self.frontends.expire(now, check_interval_s=self._lease_interval_s):
+            forgotten = self.requests.take_frontend(peer.identity)
+            self.counters["frontend.expired"] += 1
+            self._state_changed()
+            self._refresh_due = True
+            self._log(WARNING, "frontend client_index=%d: no message or heartbeat for %g s; "
+                      "its registration expired (%d requests in flight from it forgotten)",
+                      peer.client_index, self.frontends.lease_ttl_s, len(forgotten),
+                      key=f"expired:{peer.client_index}")
+            for rank in sorted({entry.rank for entry in forgotten}):
+                if not self.requests.count(rank):
+                    self._maybe_drained(rank)
+
+    def _on_register(self, identity: bytes, msg: fp.Register, now: float) -> None:
         registration = self.frontends.register(
-            msg.client_index, identity, msg.output_address, msg.input_address
+            msg.client_index, identity, msg.output_address, msg.input_address, now=now
         )
         if registration.refusal is not None:
             self._reply(identity, fp.ErrorReply(msg.call_id, fp.ERR_BAD_CLIENT_INDEX,

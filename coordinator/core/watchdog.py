@@ -183,6 +183,13 @@ class HangWatchdog:
         if self._active:
             self._settle(now, report_new=False)
 
+    def observe_outputs(self, ranks: Sequence[int], *, now: float) -> None:
+        """Outputs of ``ranks`` reached a frontend since its last word: they stepped."""
+        if self._members is None or any(rank in self._member_set for rank in ranks):
+            self._last_progress = now
+        if self._active:
+            self._settle(now, report_new=False)
+
     def observe_group(
         self, *, running: bool, wave: int, ranks: Sequence[int], now: float
     ) -> None:

@@ -94,6 +94,7 @@ def core_config(cfg: ServerConfig, admin_keys: frozenset[str] = frozenset()) -> 
         watchdog_stall_s=cfg.watchdog_stall_s, watchdog_rewake=cfg.watchdog_rewake,
         recorder_size=cfg.recorder_size, persist=cfg.state_file is not None,
         admin_keys=admin_keys, min_engines=cfg.min_engines, max_engines=cfg.max_engines,
+        frontend_lease_ttl_s=cfg.frontend_lease_ttl_s,
     )
 
 

@@ -75,6 +75,8 @@ class ServerConfig:
     admin_keys_dir: str | None = None
     """Public keys (*.key) of operators, whose CURVE connections to ``frontend`` may run
     admin commands (they are allowed to connect like the client keys)."""
+    frontend_lease_ttl_s: float = 30.0
+    """A frontend registration not renewed by traffic or heartbeats for this long expires."""
     min_engines: int = 0
     """Fewest ranks SCALE_ELASTIC_EP may leave (0: --engines, a fixed size)."""
     max_engines: int = 0
@@ -128,6 +130,8 @@ class ServerConfig:
             )
         if self.lease_ttl_s <= 0:
             raise ValueError("--lease-ttl-s must be positive")
+        if self.frontend_lease_ttl_s <= 0:
+            raise ValueError("--frontend-lease-ttl-s must be positive")
         if (self.curve_secret_key is None) != (self.curve_clients_dir is None):
             raise ValueError(
                 "CURVE needs both --curve-secret-key and --curve-clients-dir (the allowed "

@@ -135,3 +135,115 @@ def test_a_resize_within_the_bounds_is_honoured() -> None:
     assert driver.core.rank_range == range(0, 4)
     driver.feed(vllm.ScaleElasticEP(5))
     assert driver.core.rank_range == range(0, 4)
+
+
+# ---- frontend leases -----------------------------------------------------------------------
+
+TTL = 30.0
+
+
+def frontends(driver: Driver) -> list[int]:
+    return [peer.client_index for peer in driver.core.frontends.peers()]
+
+
+def advance(driver: Driver, until: float) -> None:
+    """Tick once a second, as the server's timer does, up to ``until``."""
+    now = driver.now
+    while now < until:
+        now = min(until, now + 1.0)
+        driver.tick(now)
+
+
+def test_a_registration_no_one_renews_expires_and_frees_its_slot_and_index() -> None:
+    driver = Driver.start(engines=1, max_frontends=4)
+    for index in range(4):
+        driver.register(index, identity=b"\x00gone-" + bytes([index]))
+    advance(driver, TTL / 2)
+    assert frontends(driver) == [0, 1, 2, 3]
+    advance(driver, TTL + 1.5)
+    assert frontends(driver) == []
+    assert driver.core.counter_values()["frontend.expired"] == 4
+    assert "no message or heartbeat for 30 s; its registration expired" in driver.log_text()
+    # No INIT carried them: any frontend may take the indices, with any address.
+    assert isinstance(driver.register(0, output="ipc:///run/new"), fp.Registered)
+
+
+def test_traffic_and_heartbeats_renew_a_registration() -> None:
+    driver = Driver.start(engines=1)
+    driver.register(0)
+    driver.register(1)
+    for step in range(1, 5):
+        advance(driver, step * TTL / 2)
+        driver.request(F0, fp.QueryState(driver.call_id()))
+        (alive,) = driver.request(frontend_identity(1), fp.Heartbeat(driver.call_id(), 1))
+        assert isinstance(alive, fp.Alive)
+        assert (alive.lease_ttl_s, alive.interval_s) == (TTL, min(TTL / 3, 30.0 / 4))
+    assert frontends(driver) == [0, 1]
+
+
+def test_a_heartbeat_for_an_index_this_connection_does_not_hold_asks_to_register() -> None:
+    driver = Driver.start(engines=1)
+    (reply,) = driver.request(F0, fp.Heartbeat(driver.call_id(), 0))
+    assert isinstance(reply, fp.ErrorReply) and reply.code == fp.ERR_NOT_REGISTERED
+    assert reply.message.endswith("register again")
+    assert frontends(driver) == []
+
+
+def test_a_pause_of_the_coordinator_renews_instead_of_expiring() -> None:
+    driver = Driver.start(engines=1)
+    driver.register(0)
+    driver.tick(1.0)
+    # Nothing checked for longer than the TTL: the coordinator itself was stopped.
+    driver.tick(1.0 + TTL + 5.0)
+    assert frontends(driver) == [0]
+    # Checked every second from there on, the lease runs from the end of the pause.
+    advance(driver, 1.0 + 2 * TTL + 4.0)
+    assert frontends(driver) == [0]
+    advance(driver, 1.0 + 2 * TTL + 6.0)
+    assert frontends(driver) == []
+
+
+def test_an_index_an_init_carried_keeps_its_address_after_its_lease() -> None:
+    driver = Driver.start(engines=2)
+    driver.register(0, output="ipc:///run/a")
+    driver.register(2, output="ipc:///run/c")
+    driver.hello(0)
+    (init,) = [frames for frames in driver.sent_to("handshake", b"\x00\x00")]
+    outputs = vllm.decode_init(init[0]).addresses.outputs
+    # By client index: index 1 has nobody and gets the coordinator's own back_output.
+    assert outputs == ["ipc:///run/a", "ipc:///run/bo", "ipc:///run/c"]
+    advance(driver, TTL + 1.0)
+    assert frontends(driver) == []
+    refused = driver.register(0, output="ipc:///run/elsewhere")
+    assert isinstance(refused, fp.ErrorReply) and refused.code == fp.ERR_BAD_CLIENT_INDEX
+    assert "ipc:///run/a, which engines already use" in refused.message
+    assert isinstance(driver.register(0, output="ipc:///run/a"), fp.Registered)
+    assert isinstance(driver.register(1, output="ipc:///run/b"), fp.Registered)
+
+
+def test_an_expired_frontends_requests_are_forgotten_and_a_drain_completes() -> None:
+    driver = ready_group()
+    driver.submit("r1", rank=1)
+    driver.operator(fp.Admin(driver.call_id(), "drain", 1))
+    assert driver.core.requests.count(1) == 1
+    advance(driver, TTL + 1.0)
+    assert driver.core.requests.count(1) == 0
+    assert "(1 requests in flight from it forgotten)" in driver.log_text()
+    assert "dp_rank=1 drained" in driver.log_text()
+
+
+def test_every_registered_frontend_hears_that_a_rank_was_lost() -> None:
+    driver = ready_group()
+    driver.register(1)
+    driver.submit("r1", rank=1)
+    driver.unreachable.add(("dispatch", b"\x01\x00"))
+    advance(driver, 8.0)  # rank 1 is quiet: probed, the probe fails, it is dead
+    failed = [r for r in driver.replies(F0) if isinstance(r, fp.RequestsFailed)]
+    assert [f.request_ids for f in failed] == [["r1"]]
+    for index in (0, 1):
+        lost = [r for r in driver.replies(frontend_identity(index))
+                if isinstance(r, fp.RankLost)]
+        assert [(r.rank, r.reason) for r in lost] == [(1, failed[0].reason)]
+    # Its own failures come first, so the SDK only fails what the coordinator did not know.
+    notices = [r for r in driver.replies(F0) if isinstance(r, (fp.RequestsFailed, fp.RankLost))]
+    assert [type(n).__name__ for n in notices] == ["RequestsFailed", "RankLost"]
