@@ -201,14 +201,20 @@ class CoordinatorServer:
         return dict(self.addresses)
 
     def _bind_admin(self) -> None:
-        """The operators' socket: ipc in a private directory, the file owner-only.
+        """The operators' socket: ipc in a private directory (``admin.d`` in the ipc
+        directory, or a new temporary one), the file owner-only.
 
         Connecting to a unix socket needs write permission on its file, so only this
         process's user (and root) can reach it; that is the authority of what comes
         in on it (see core.authority).
         """
         assert self._ctx is not None
-        self._admin_dir = tempfile.mkdtemp(prefix="dp-coordinator-admin-")
+        if self._ipc_dir is not None:
+            self._admin_dir = os.path.join(self._ipc_dir, "admin.d")
+            os.makedirs(self._admin_dir, mode=stat.S_IRWXU, exist_ok=True)
+            os.chmod(self._admin_dir, stat.S_IRWXU)
+        else:
+            self._admin_dir = tempfile.mkdtemp(prefix="dp-coordinator-admin-")
         path = os.path.join(self._admin_dir, "admin")
         sock, resolved = bind_socket(
             self._ctx, zmq.ROUTER, f"ipc://{path}",

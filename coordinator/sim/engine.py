@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -53,6 +54,10 @@ class SimConfig:
     lockstep: bool = True
     #: False: send no load stats (vLLM engines in external-LB mode).
     publish_stats: bool = True
+    #: While stepping with unchanged counts, report stats (with the step counter) at most
+    #: this often: progress the coordinator's hang watchdog can see. None: only on
+    #: changes, as vLLM 0.33 does.
+    progress_report_s: float | None = 0.5
     # Agent options.
     vllm_shaped: bool = False
     #: HELLO's engine_id; None: a fresh random one. A group appends "-<rank>".
@@ -160,6 +165,7 @@ class SimEngine:
         self._running: dict[str, _Active] = {}
         self._held: set[str] = set()  # ids waiting or running
         self._last_counts = (0, 0)
+        self._last_report = (0.0, 0, 0)  # (monotonic time, wave, step) of the last stats
         self._seq = 0
         self._unfrozen = asyncio.Event()
         self._unfrozen.set()
@@ -450,11 +456,16 @@ class SimEngine:
         if not (self.config.publish_stats and self.agent.has_coordinator):
             return
         counts = (len(self._running), len(self._waiting))
-        if counts == self._last_counts:
-            return
-        self._last_counts = counts
-        kv = min(1.0, len(self._running) / self.config.max_batch)
         lockstep = self.config.lockstep
+        if counts == self._last_counts:
+            every = self.config.progress_report_s
+            at, wave, step = self._last_report
+            if not lockstep or every is None or (wave, step) == (
+                    self.current_wave, self.step_counter) or time.monotonic() - at < every:
+                return
+        self._last_counts = counts
+        self._last_report = (time.monotonic(), self.current_wave, self.step_counter)
+        kv = min(1.0, len(self._running) / self.config.max_batch)
         self.agent.send_stats(
             waiting=counts[1],
             running=counts[0],

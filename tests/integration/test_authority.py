@@ -74,6 +74,7 @@ def test_an_anonymous_frontend_connection_cannot_cordon_or_drain(
     path = admin[len("ipc://"):]
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+    assert path.endswith("/admin.d/admin" if transport == "ipc" else "/admin")
     done = run_cli("cordon", "1", "--addr-file", handle.addr_file)
     assert done.returncode == 0, done.stderr
     assert "dp_rank=1 is now cordoned" in done.stdout

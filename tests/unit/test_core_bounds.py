@@ -247,3 +247,29 @@ def test_every_registered_frontend_hears_that_a_rank_was_lost() -> None:
     # Its own failures come first, so the SDK only fails what the coordinator did not know.
     notices = [r for r in driver.replies(F0) if isinstance(r, (fp.RequestsFailed, fp.RankLost))]
     assert [type(n).__name__ for n in notices] == ["RequestsFailed", "RankLost"]
+
+
+# ---- watchdog progress from frontends ------------------------------------------------------
+
+
+def alerts(driver: Driver) -> int:
+    return driver.core.counter_values().get("watchdog.no_progress", 0)
+
+
+def test_outputs_a_frontend_saw_are_progress_and_their_end_is_a_stall() -> None:
+    driver = ready_group(watchdog_stall_s=3.0)
+    driver.report(0, start_wave=0)
+    assert driver.core.waves.snapshot() == (0, True)
+    now = 0.0
+    for _ in range(40):  # 10 s of a steady decode: no stats, outputs seen every second
+        now += 0.25
+        if now == int(now):
+            driver.request(F0, fp.Heartbeat(driver.call_id(), 0, [0]))
+        driver.tick(now)
+    assert alerts(driver) == 0
+    # Outputs from a rank outside the group prove nothing.
+    driver.request(F0, fp.Heartbeat(driver.call_id(), 0, [7]))
+    for _ in range(16):
+        now += 0.25
+        driver.tick(now)
+    assert alerts(driver) == 1
