@@ -34,7 +34,9 @@ reported to the user and, in batches, to the coordinator with `Finished`, which
 frees the coordinator's routing entry for each.
 
 Every wait is bounded: each call takes a `timeout` (default `call_timeout_s`) and
-raises `CoordinatorTimeout` when the coordinator does not answer in time.
+raises `CoordinatorTimeout` when the coordinator does not answer in time (naming a
+failed handshake, such as a wrong server key, if there was one). A refused CURVE
+key, or keys on one side only, raises `HandshakeFailed` at once instead.
 """
 
 from __future__ import annotations
@@ -55,20 +57,34 @@ from typing import Any, TypeVar
 import zmq
 import zmq.asyncio
 
-from coordinator._zmq import CLIENT, OUTPUTS, CurveClientKeys, bind, connect
-from coordinator.frontend_errors import (
+from coordinator._zmq import (
+    CLIENT,
+    OUTPUTS,
+    CurveClientKeys,
+    HandshakeMonitor,
+    bind,
+    connect_monitored,
+)
+from coordinator.frontend_support import (
+    FIRST_HEARTBEAT_S,
+    OUTPUT_DRAIN_TURNS,
     AdminError,
     CoordinatorTimeout,
     EngineDead,
     FinishedRequest,
     FrontendClosed,
     FrontendError,
+    HandshakeFailed,
     InvalidRequest,
     Notice,
+    OperatorChannel,
     RegisterError,
     ReplyError,
     SubmitError,
-    finished_ids,
+    handshake_failure,
+    heartbeat_frames,
+    lost_requests,
+    raise_if_refused,
 )
 from coordinator.protocol import frontend as fp
 from coordinator.protocol import vllm
@@ -84,6 +100,7 @@ __all__ = [
     "FrontendClient",
     "FrontendClosed",
     "FrontendError",
+    "HandshakeFailed",
     "InvalidRequest",
     "Notice",
     "RegisterError",
@@ -99,10 +116,6 @@ _FINISHED_BATCH = fp.MAX_ABORT_IDS
 # Finished ids kept while the coordinator does not take them, and the retry pause.
 _MAX_UNREPORTED = 1 << 20
 _REPORT_RETRY_S = 0.1
-# Loop turns a RankLost notice waits for queued outputs to be read first.
-_OUTPUT_DRAIN_TURNS = 1000
-# Heartbeat interval until the coordinator names its own (in `Alive`).
-_FIRST_HEARTBEAT_S = 1.0
 
 
 _T = TypeVar("_T")
@@ -126,6 +139,9 @@ class FrontendClient:
         on_notice: called for every unsolicited notice; when None they queue up
             for `notices()`.
         on_publish: called after each publish was applied, with the client.
+        on_outputs: called with every decoded `EngineCoreOutputs` an engine sent to
+            this client and the `time.monotonic()` it was read at (token outputs,
+            scheduler stats, utility results), before finished requests are handled.
         context: a zmq.asyncio.Context to share; by default the client owns one.
         curve_secret_key: path of this frontend's secret key file (`NAME.key_secret`
             from `dp-coordinator keygen`); with `curve_server_key`, the sockets to the
@@ -145,6 +161,7 @@ class FrontendClient:
         on_finished: Callable[[FinishedRequest], None] | None = None,
         on_notice: Callable[[Notice], None] | None = None,
         on_publish: Callable[[FrontendClient], None] | None = None,
+        on_outputs: Callable[[vllm.EngineCoreOutputs, float], None] | None = None,
         max_queued: int = 1 << 20,
         context: zmq.asyncio.Context | None = None,
         curve_secret_key: str | None = None,
@@ -165,6 +182,7 @@ class FrontendClient:
         self.on_finished = on_finished
         self.on_notice = on_notice
         self.on_publish = on_publish
+        self.on_outputs = on_outputs
 
         self._owns_context = context is None
         self._ctx = context if context is not None else zmq.asyncio.Context()
@@ -187,6 +205,8 @@ class FrontendClient:
         self._dealer: zmq.asyncio.Socket | None = None
         self._pull: zmq.asyncio.Socket | None = None
         self._sub: zmq.asyncio.Socket | None = None
+        self._dealer_handshakes: HandshakeMonitor | None = None
+        self._sub_handshakes: HandshakeMonitor | None = None
         self._pending: dict[int, asyncio.Future[fp.FrontendReply]] = {}
         self._call_ids = itertools.count(1)
         self._finished_q: asyncio.Queue[FinishedRequest] = asyncio.Queue(max_queued)
@@ -198,10 +218,9 @@ class FrontendClient:
         self._report_due = asyncio.Event()
         # Ranks whose outputs arrived since the last heartbeat, and its interval.
         self._progress: set[int] = set()
-        self.heartbeat_s = _FIRST_HEARTBEAT_S
+        self.heartbeat_s = FIRST_HEARTBEAT_S
         self._tasks: list[asyncio.Task[None]] = []
-        self._operator: zmq.asyncio.Socket | None = None
-        self._operator_lock = asyncio.Lock()
+        self._operator: OperatorChannel | None = None
         self._started = False
         self._closed = False
 
@@ -244,6 +263,7 @@ class FrontendClient:
         self._spawn(self._pull_loop(), "outputs")
         self._spawn(self._publish_loop(), "publishes")
         self._spawn(self._report_loop(), "finished")
+        self._spawn(self._handshake_loop(), "handshakes")
         self._spawn(self._heartbeat_loop(), "heartbeat")
 
     def _open_sockets(self) -> None:
@@ -257,10 +277,11 @@ class FrontendClient:
         self._pull, self.output_address = bind(self._ctx, zmq.PULL, endpoint, OUTPUTS)
         # A fixed identity survives reconnects (a restarted coordinator sees the same
         # peer), so failure notices for requests sent earlier still find this client.
-        self._dealer = connect(self._ctx, zmq.DEALER, self.frontend_address, CLIENT,
-                               identity=b"fe" + uuid.uuid4().bytes[:8], curve=self.curve)
-        self._sub = connect(self._ctx, zmq.XSUB, self.publish_address, CLIENT,
-                            curve=self.curve)
+        self._dealer, self._dealer_handshakes = connect_monitored(
+            self._ctx, zmq.DEALER, self.frontend_address, CLIENT,
+            identity=b"fe" + uuid.uuid4().bytes[:8], curve=self.curve)
+        self._sub, self._sub_handshakes = connect_monitored(
+            self._ctx, zmq.XSUB, self.publish_address, CLIENT, curve=self.curve)
 
     async def close(self, timeout: float = 1.0) -> None:
         """Report pending finished ids (best effort), stop, close every socket."""
@@ -280,10 +301,16 @@ class FrontendClient:
             if not future.done():
                 future.set_exception(FrontendClosed("the client was closed"))
         self._pending.clear()
-        for sock in (self._dealer, self._pull, self._sub, self._operator):
+        for monitor in (self._dealer_handshakes, self._sub_handshakes):
+            if monitor is not None:
+                monitor.close()
+        for sock in (self._dealer, self._pull, self._sub):
             if sock is not None:
                 sock.close(linger=0)
-        self._dealer = self._pull = self._sub = self._operator = None
+        self._dealer = self._pull = self._sub = None
+        if self._operator is not None:
+            self._operator.close()
+            self._operator = None
         if self._owns_context:
             self._ctx.term()
         if self._owns_ipc_dir and self._ipc_dir is not None:
@@ -390,42 +417,16 @@ class FrontendClient:
         process must run as the coordinator's user); with keys, to the frontend socket,
         where the key must be one of the coordinator's admin keys.
         """
-        if self.curve is None and self.admin_address is not None:
-            return await self._operator_call(command, rank, timeout)
+        if self.curve is None and self.admin_address is not None and not self._closed:
+            if self._operator is None:
+                self._operator = OperatorChannel(self._ctx, self.admin_address)
+            return await self._operator.command(command, rank, call_id=next(self._call_ids),
+                                                timeout_s=timeout or self.call_timeout_s)
         reply = await self._call(
             lambda call_id: [fp.encode(fp.Admin(call_id, command, rank))],
             f"admin {command} {rank}", timeout, AdminError,
         )
         return _expect(reply, fp.AdminDone, "admin")
-
-    async def _operator_call(self, command: fp.AdminCommand, rank: int,
-                             timeout: float | None) -> fp.AdminDone:
-        if self._closed:
-            raise FrontendClosed("the client is closed")
-        limit = self.call_timeout_s if timeout is None else timeout
-        what = f"admin {command} {rank}"
-        async with self._operator_lock:
-            if self._operator is None:
-                self._operator = connect(self._ctx, zmq.DEALER, str(self.admin_address), CLIENT)
-            sock = self._operator
-            call_id = next(self._call_ids)
-            deadline = time.monotonic() + limit
-            await sock.send(fp.encode(fp.Admin(call_id, command, rank)))
-            while (remaining := deadline - time.monotonic()) > 0:
-                if not await sock.poll(int(remaining * 1000) + 1):
-                    break
-                frames = await sock.recv_multipart()
-                try:
-                    reply = fp.decode_reply(frames[0]) if len(frames) == 1 else None
-                except ProtocolError:
-                    reply = None
-                if reply is None or getattr(reply, "call_id", None) != call_id:
-                    continue  # a late answer to an earlier call
-                if isinstance(reply, fp.ErrorReply):
-                    raise AdminError(reply.code, reply.message)
-                return _expect(reply, fp.AdminDone, "admin")
-        self.stats["timeouts"] += 1
-        raise CoordinatorTimeout(what, limit)
 
     async def _call(
         self,
@@ -441,6 +442,7 @@ class FrontendClient:
         dealer = self._dealer
         if dealer is None:
             raise FrontendClosed("the client is closed")
+        raise_if_refused(self._dealer_handshakes)
         limit = self.call_timeout_s if timeout is None else timeout
         call_id = next(self._call_ids)
         frames = build(call_id)
@@ -459,7 +461,8 @@ class FrontendClient:
                 reply = await asyncio.wait_for(future, max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
                 self.stats["timeouts"] += 1
-                raise CoordinatorTimeout(what, limit) from None
+                raise CoordinatorTimeout(what, limit, handshake_failure(self._dealer_handshakes)) \
+                    from None
         finally:
             self._pending.pop(call_id, None)
         if isinstance(reply, fp.ErrorReply):
@@ -474,9 +477,11 @@ class FrontendClient:
         limit = self.call_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + limit
         while not predicate(self):
+            raise_if_refused(self._sub_handshakes)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise CoordinatorTimeout("a publish matching the condition", limit)
+                raise CoordinatorTimeout("a publish matching the condition", limit,
+                                         handshake_failure(self._sub_handshakes))
             self._publish_seen.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._publish_seen.wait(), remaining)
@@ -530,6 +535,31 @@ class FrontendClient:
             return
         _put(self._notice_q, notice, self.stats, "notices_dropped")
 
+    # ------------------------------------------------------------ handshakes
+
+    async def _handshake_loop(self) -> None:
+        """Fail waiting calls at once when a handshake with the coordinator fails for good."""
+        monitors = [m for m in (self._dealer_handshakes, self._sub_handshakes) if m is not None]
+        poller = zmq.asyncio.Poller()
+        for monitor in monitors:
+            poller.register(monitor.socket, zmq.POLLIN)
+        while monitors:
+            await poller.poll()
+            for monitor in list(monitors):
+                failure = monitor.poll()
+                if failure is None or not failure.final:
+                    continue
+                monitors.remove(monitor)  # libzmq gave this connection up: said once
+                poller.unregister(monitor.socket)
+                self.stats[f"handshake_failed.{failure.kind}"] += 1
+                log.warning("frontend %d: %s", self.client_index, failure.message)
+                if monitor is self._dealer_handshakes:
+                    for future in self._pending.values():
+                        if not future.done():
+                            future.set_exception(HandshakeFailed(failure))
+                else:
+                    self._publish_seen.set()  # wait_for() looks again and raises
+
     # ------------------------------------------------------------ readers
 
     async def _dealer_loop(self) -> None:
@@ -554,27 +584,19 @@ class FrontendClient:
             self._on_reply(reply)
 
     async def _on_rank_lost(self, lost: fp.RankLost) -> None:
-        """Fail what this client sent to a rank that died and has not seen finish.
-
-        The coordinator already sent `RequestsFailed` for the requests it knew of; this
-        covers the rest (sent before it restarted). Outputs that are already waiting on
-        the output socket are read first, so a request that did finish is not failed.
-        """
+        """Fail what this client sent to a lost rank and has not seen finish (the ones the
+        coordinator knew of came in `RequestsFailed` first); queued outputs are read first."""
         self.stats["ranks_lost"] += 1
         pull = self._pull
-        for _ in range(_OUTPUT_DRAIN_TURNS):
+        for _ in range(OUTPUT_DRAIN_TURNS):
             # The output reader takes what is queued while this one yields.
             if pull is None or not int(pull.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 break
             await asyncio.sleep(0)
-        ids = [request_id for request_id, rank in self.in_flight.items() if rank == lost.rank]
-        if not ids:
-            return
-        for request_id in ids:
-            del self.in_flight[request_id]
-        self.stats["requests_failed"] += len(ids)
-        self.stats["requests_failed_by_client"] += len(ids)
-        self._notice(fp.RequestsFailed(ids, lost.rank, lost.reason))
+        failed = lost_requests(self.in_flight, lost)
+        if failed is not None:
+            self.stats["requests_failed"] += len(failed.request_ids)
+            self._notice(failed)
 
     def _on_reply(self, reply: fp.FrontendReply) -> None:
         if isinstance(reply, fp.RequestsFailed):
@@ -618,7 +640,12 @@ class FrontendClient:
             self.stats[f"bad_output.{exc.reason}"] += 1
             return
         self.stats["outputs"] += 1
-        ids = finished_ids(message)
+        if self.on_outputs is not None:
+            try:
+                self.on_outputs(message, now)
+            except Exception:
+                log.exception("on_outputs callback failed")
+        ids = vllm.finished_request_ids(message)
         if message.outputs or ids:
             # Evidence that this rank is stepping, for the coordinator's hang watchdog.
             self._progress.add(message.engine_index)
@@ -643,8 +670,7 @@ class FrontendClient:
         _put(self._finished_q, item, self.stats, "finished_dropped")
 
     async def _heartbeat_loop(self) -> None:
-        """Keep the registration (a lease) alive; register again if the coordinator lost it
-        (its lease expired, or the coordinator restarted without a state file)."""
+        """Keep the registration (a lease) alive; register again when it was lost."""
         while True:
             await asyncio.sleep(self.heartbeat_s)
             if self.registered is None:
@@ -652,7 +678,7 @@ class FrontendClient:
             progress = sorted(self._progress)[:fp.MAX_ABORT_IDS]
             self._progress.clear()
             try:
-                reply = await self._call(_heartbeat_builder(self.client_index, progress),
+                reply = await self._call(heartbeat_frames(self.client_index, progress),
                                          "heartbeat", None, RegisterError)
             except CoordinatorTimeout:
                 continue  # the coordinator is away; the lease question waits for it
@@ -660,21 +686,15 @@ class FrontendClient:
                 if exc.code != fp.ERR_NOT_REGISTERED:
                     log.warning("frontend %d: heartbeat refused: %s", self.client_index, exc)
                     continue
-                await self._register_again()
+                self.stats["reregistered"] += 1
+                log.info("frontend %d: the coordinator no longer holds our registration; "
+                         "registering again", self.client_index)
+                with contextlib.suppress(RegisterError, CoordinatorTimeout):
+                    await self.register()
                 continue
             if isinstance(reply, fp.Alive):
                 self.stats["heartbeats"] += 1
                 self.heartbeat_s = max(0.05, reply.interval_s)
-
-    async def _register_again(self) -> None:
-        self.stats["reregistered"] += 1
-        log.info("frontend %d: the coordinator no longer holds our registration; "
-                 "registering again", self.client_index)
-        try:
-            await self.register()
-        except (RegisterError, CoordinatorTimeout) as exc:
-            self.stats["reregister_failed"] += 1
-            log.warning("frontend %d: registering again failed: %s", self.client_index, exc)
 
     async def _report_loop(self) -> None:
         while True:
@@ -748,14 +768,6 @@ class FrontendClient:
 def _abort_builder(request_ids: list[str]) -> Callable[[int], list[bytes]]:
     def build(call_id: int) -> list[bytes]:
         return [fp.encode(fp.Abort(call_id, request_ids))]
-
-    return build
-
-
-def _heartbeat_builder(client_index: int, progress: list[int]
-                       ) -> Callable[[int], list[bytes]]:
-    def build(call_id: int) -> list[bytes]:
-        return [fp.encode(fp.Heartbeat(call_id, client_index, progress))]
 
     return build
 
