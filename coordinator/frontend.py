@@ -52,7 +52,6 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import zmq
@@ -62,10 +61,30 @@ from coordinator._zmq import (
     CLIENT,
     OUTPUTS,
     CurveClientKeys,
-    HandshakeFailure,
     HandshakeMonitor,
     bind,
     connect_monitored,
+)
+from coordinator.frontend_support import (
+    FIRST_HEARTBEAT_S,
+    OUTPUT_DRAIN_TURNS,
+    AdminError,
+    CoordinatorTimeout,
+    EngineDead,
+    FinishedRequest,
+    FrontendClosed,
+    FrontendError,
+    HandshakeFailed,
+    InvalidRequest,
+    Notice,
+    OperatorChannel,
+    RegisterError,
+    ReplyError,
+    SubmitError,
+    handshake_failure,
+    heartbeat_frames,
+    lost_requests,
+    raise_if_refused,
 )
 from coordinator.protocol import frontend as fp
 from coordinator.protocol import vllm
@@ -98,86 +117,6 @@ _FINISHED_BATCH = fp.MAX_ABORT_IDS
 _MAX_UNREPORTED = 1 << 20
 _REPORT_RETRY_S = 0.1
 
-
-class FrontendError(Exception):
-    """Base class of every error the SDK raises."""
-
-
-class FrontendClosed(FrontendError):
-    """The client was closed while a call was waiting (or before it started)."""
-
-
-class CoordinatorTimeout(FrontendError, TimeoutError):
-    """No answer within the call's timeout; `handshake_failure` says why, if a handshake failed."""
-
-    def __init__(self, what: str, timeout_s: float,
-                 handshake_failure: HandshakeFailure | None = None) -> None:
-        why = f": {handshake_failure.message}" if handshake_failure is not None else ""
-        super().__init__(f"no answer from the coordinator to {what} within {timeout_s:g} s{why}")
-        self.what = what
-        self.timeout_s = timeout_s
-        self.handshake_failure = handshake_failure
-
-
-class HandshakeFailed(FrontendError, ConnectionError):
-    """The connection to the coordinator failed its handshake (CURVE keys); `failure` says why.
-
-    `failure.final`: libzmq gave the connection up; make a new client with the right keys.
-    """
-
-    def __init__(self, failure: HandshakeFailure) -> None:
-        super().__init__(failure.message)
-        self.failure = failure
-
-
-class InvalidRequest(FrontendError, ValueError):
-    """A call's arguments are outside the protocol's bounds; nothing was sent."""
-
-
-class ReplyError(FrontendError):
-    """The coordinator answered a call with an ErrorReply."""
-
-    def __init__(self, code: str, message: str, request_id: str | None = None) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-        self.request_id = request_id
-
-
-class RegisterError(ReplyError):
-    """Register was refused (e.g. `bad_client_index`)."""
-
-
-class SubmitError(ReplyError):
-    """Submit was refused (e.g. `unknown_rank`, `duplicate_request_id`)."""
-
-
-class AdminError(ReplyError):
-    """An admin command, state query or abort was refused."""
-
-
-@dataclass(frozen=True)
-class FinishedRequest:
-    """One request an engine reported finished, as seen on this client's PULL."""
-
-    request_id: str
-    engine_index: int
-    at: float
-    """`time.monotonic()` when the output was read."""
-
-
-@dataclass(frozen=True)
-class EngineDead:
-    """An engine sent ENGINE_CORE_DEAD to this frontend's output socket."""
-
-    at: float
-
-
-Notice = fp.RequestsFailed | fp.RankDrained | fp.ShuttingDown | fp.ErrorReply | EngineDead
-"""Something the coordinator or an engine told us without being asked.
-
-An `ErrorReply` here has call id 0 (or an id no call waits for): the coordinator
-could not read one of our messages, so it could not say which call it was."""
 
 _T = TypeVar("_T")
 
@@ -234,6 +173,8 @@ class FrontendClient:
         self.curve = CurveClientKeys.from_options(curve_secret_key, curve_server_key)
         self.frontend_address = addresses["frontend"]
         self.publish_address = addresses["front_publish"]
+        #: The coordinator's owner-only operator socket, when the addresses name it.
+        self.admin_address = addresses.get("admin")
         self.client_index = client_index
         self.host = host
         self.call_timeout_s = call_timeout_s
@@ -275,7 +216,11 @@ class FrontendClient:
         self._submitting: dict[str, int] = {}
         self._finished_early: set[str] = set()
         self._report_due = asyncio.Event()
+        # Ranks whose outputs arrived since the last heartbeat, and its interval.
+        self._progress: set[int] = set()
+        self.heartbeat_s = FIRST_HEARTBEAT_S
         self._tasks: list[asyncio.Task[None]] = []
+        self._operator: OperatorChannel | None = None
         self._started = False
         self._closed = False
 
@@ -319,6 +264,7 @@ class FrontendClient:
         self._spawn(self._publish_loop(), "publishes")
         self._spawn(self._report_loop(), "finished")
         self._spawn(self._handshake_loop(), "handshakes")
+        self._spawn(self._heartbeat_loop(), "heartbeat")
 
     def _open_sockets(self) -> None:
         if self.host is None:
@@ -362,6 +308,9 @@ class FrontendClient:
             if sock is not None:
                 sock.close(linger=0)
         self._dealer = self._pull = self._sub = None
+        if self._operator is not None:
+            self._operator.close()
+            self._operator = None
         if self._owns_context:
             self._ctx.term()
         if self._owns_ipc_dir and self._ipc_dir is not None:
@@ -461,7 +410,18 @@ class FrontendClient:
 
     async def admin(self, command: fp.AdminCommand, rank: int, *,
                     timeout: float | None = None) -> fp.AdminDone:
-        """Cordon, uncordon or drain one rank; raises AdminError when refused."""
+        """Cordon, uncordon or drain one rank; raises AdminError when refused.
+
+        Admin commands need an operator (docs/OPERATIONS.md): without CURVE keys they go
+        to the coordinator's owner-only `admin` socket when the addresses name it (this
+        process must run as the coordinator's user); with keys, to the frontend socket,
+        where the key must be one of the coordinator's admin keys.
+        """
+        if self.curve is None and self.admin_address is not None and not self._closed:
+            if self._operator is None:
+                self._operator = OperatorChannel(self._ctx, self.admin_address)
+            return await self._operator.command(command, rank, call_id=next(self._call_ids),
+                                                timeout_s=timeout or self.call_timeout_s)
         reply = await self._call(
             lambda call_id: [fp.encode(fp.Admin(call_id, command, rank))],
             f"admin {command} {rank}", timeout, AdminError,
@@ -482,7 +442,7 @@ class FrontendClient:
         dealer = self._dealer
         if dealer is None:
             raise FrontendClosed("the client is closed")
-        self._raise_if_refused(self._dealer_handshakes)
+        raise_if_refused(self._dealer_handshakes)
         limit = self.call_timeout_s if timeout is None else timeout
         call_id = next(self._call_ids)
         frames = build(call_id)
@@ -501,7 +461,7 @@ class FrontendClient:
                 reply = await asyncio.wait_for(future, max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
                 self.stats["timeouts"] += 1
-                raise CoordinatorTimeout(what, limit, _failure(self._dealer_handshakes)) \
+                raise CoordinatorTimeout(what, limit, handshake_failure(self._dealer_handshakes)) \
                     from None
         finally:
             self._pending.pop(call_id, None)
@@ -517,11 +477,11 @@ class FrontendClient:
         limit = self.call_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + limit
         while not predicate(self):
-            self._raise_if_refused(self._sub_handshakes)
+            raise_if_refused(self._sub_handshakes)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise CoordinatorTimeout("a publish matching the condition", limit,
-                                         _failure(self._sub_handshakes))
+                                         handshake_failure(self._sub_handshakes))
             self._publish_seen.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._publish_seen.wait(), remaining)
@@ -577,12 +537,6 @@ class FrontendClient:
 
     # ------------------------------------------------------------ handshakes
 
-    @staticmethod
-    def _raise_if_refused(monitor: HandshakeMonitor | None) -> None:
-        failure = _failure(monitor)
-        if failure is not None and failure.final:
-            raise HandshakeFailed(failure)
-
     async def _handshake_loop(self) -> None:
         """Fail waiting calls at once when a handshake with the coordinator fails for good."""
         monitors = [m for m in (self._dealer_handshakes, self._sub_handshakes) if m is not None]
@@ -624,7 +578,25 @@ class FrontendClient:
                 log.warning("frontend %d: unreadable coordinator reply: %s",
                             self.client_index, exc)
                 continue
+            if isinstance(reply, fp.RankLost):
+                await self._on_rank_lost(reply)
+                continue
             self._on_reply(reply)
+
+    async def _on_rank_lost(self, lost: fp.RankLost) -> None:
+        """Fail what this client sent to a lost rank and has not seen finish (the ones the
+        coordinator knew of came in `RequestsFailed` first); queued outputs are read first."""
+        self.stats["ranks_lost"] += 1
+        pull = self._pull
+        for _ in range(OUTPUT_DRAIN_TURNS):
+            # The output reader takes what is queued while this one yields.
+            if pull is None or not int(pull.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                break
+            await asyncio.sleep(0)
+        failed = lost_requests(self.in_flight, lost)
+        if failed is not None:
+            self.stats["requests_failed"] += len(failed.request_ids)
+            self._notice(failed)
 
     def _on_reply(self, reply: fp.FrontendReply) -> None:
         if isinstance(reply, fp.RequestsFailed):
@@ -636,6 +608,8 @@ class FrontendClient:
         if isinstance(reply, (fp.RankDrained, fp.ShuttingDown)):
             self._notice(reply)
             return
+        if isinstance(reply, fp.RankLost):
+            return  # handled by the reader, which can wait for the output socket
         future = self._pending.get(reply.call_id)
         if future is None:
             if isinstance(reply, fp.ErrorReply):
@@ -652,33 +626,38 @@ class FrontendClient:
         if pull is None:
             return
         while True:
-            frames = await pull.recv_multipart(copy=True)
-            now = time.monotonic()
-            head = frames[0]
-            if head == vllm.ENGINE_CORE_DEAD:
-                self._notice(EngineDead(now))
-                continue
+            self._on_output(await pull.recv_multipart(copy=True))
+
+    def _on_output(self, frames: list[bytes]) -> None:
+        now = time.monotonic()
+        head = frames[0]
+        if head == vllm.ENGINE_CORE_DEAD:
+            self._notice(EngineDead(now))
+            return
+        try:
+            message = vllm.decode_engine_outputs(head)
+        except ProtocolError as exc:
+            self.stats[f"bad_output.{exc.reason}"] += 1
+            return
+        self.stats["outputs"] += 1
+        if self.on_outputs is not None:
             try:
-                message = vllm.decode_engine_outputs(head)
-            except ProtocolError as exc:
-                self.stats[f"bad_output.{exc.reason}"] += 1
-                continue
-            self.stats["outputs"] += 1
-            if self.on_outputs is not None:
-                try:
-                    self.on_outputs(message, now)
-                except Exception:
-                    log.exception("on_outputs callback failed")
-            ids = vllm.finished_request_ids(message)
-            if not ids:
-                continue
-            for request_id in ids:
-                if self.in_flight.pop(request_id, None) is None \
-                        and request_id in self._submitting:
-                    self._finished_early.add(request_id)
-                self._finish(FinishedRequest(request_id, message.engine_index, now))
-            self._to_report += ids
-            self._report_due.set()
+                self.on_outputs(message, now)
+            except Exception:
+                log.exception("on_outputs callback failed")
+        ids = vllm.finished_request_ids(message)
+        if message.outputs or ids:
+            # Evidence that this rank is stepping, for the coordinator's hang watchdog.
+            self._progress.add(message.engine_index)
+        if not ids:
+            return
+        for request_id in ids:
+            if self.in_flight.pop(request_id, None) is None \
+                    and request_id in self._submitting:
+                self._finished_early.add(request_id)
+            self._finish(FinishedRequest(request_id, message.engine_index, now))
+        self._to_report += ids
+        self._report_due.set()
 
     def _finish(self, item: FinishedRequest) -> None:
         self.stats["finished"] += 1
@@ -689,6 +668,33 @@ class FrontendClient:
                 log.exception("on_finished callback failed")
             return
         _put(self._finished_q, item, self.stats, "finished_dropped")
+
+    async def _heartbeat_loop(self) -> None:
+        """Keep the registration (a lease) alive; register again when it was lost."""
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            if self.registered is None:
+                continue
+            progress = sorted(self._progress)[:fp.MAX_ABORT_IDS]
+            self._progress.clear()
+            try:
+                reply = await self._call(heartbeat_frames(self.client_index, progress),
+                                         "heartbeat", None, RegisterError)
+            except CoordinatorTimeout:
+                continue  # the coordinator is away; the lease question waits for it
+            except RegisterError as exc:
+                if exc.code != fp.ERR_NOT_REGISTERED:
+                    log.warning("frontend %d: heartbeat refused: %s", self.client_index, exc)
+                    continue
+                self.stats["reregistered"] += 1
+                log.info("frontend %d: the coordinator no longer holds our registration; "
+                         "registering again", self.client_index)
+                with contextlib.suppress(RegisterError, CoordinatorTimeout):
+                    await self.register()
+                continue
+            if isinstance(reply, fp.Alive):
+                self.stats["heartbeats"] += 1
+                self.heartbeat_s = max(0.05, reply.interval_s)
 
     async def _report_loop(self) -> None:
         while True:
@@ -757,10 +763,6 @@ class FrontendClient:
                 self.on_publish(self)
             except Exception:
                 log.exception("on_publish callback failed")
-
-
-def _failure(monitor: HandshakeMonitor | None) -> HandshakeFailure | None:
-    return monitor.poll() if monitor is not None else None
 
 
 def _abort_builder(request_ids: list[str]) -> Callable[[int], list[bytes]]:

@@ -107,6 +107,8 @@ SERVE_OPTIONS: Final = frozenset({
     "--master-port", "--metrics-host", "--metrics-port", "--no-watchdog-rewake",
     "--no-wave-coordination", "--policy", "--port-base", "--publish-interval-ms",
     "--rank-start", "--recorder-size", "--state-file", "--vllm-compat", "--watchdog-stall-s",
+    "--max-engine-message-bytes", "--max-request-bytes", "--admin-keys-dir", "--min-engines",
+    "--max-engines", "--frontend-lease-ttl-s",
 })
 """Every long option of `dp-coordinator serve`, which argparse matches by unique prefix.
 

@@ -123,6 +123,8 @@ class ParallelSettings:
     """vLLM's name for "external or hybrid load balancing": each API server
     manages only its own node's engines and may run on another node."""
     enable_elastic_ep: bool = False
+    elastic_ep_max_dp_size: int | None = None
+    """vLLM's bound on elastic EP's data_parallel_size (None: data_parallel_size)."""
     data_parallel_master_port: int | None = None
     """The torch DP meeting point's port; it names the published address file."""
 
@@ -192,6 +194,7 @@ def resolve_parallel_settings(
         ),
         local_engines_only=bool(pick(local_engines_only, "local_engines_only", lb_default)),
         enable_elastic_ep=bool(pick(enable_elastic_ep, "enable_elastic_ep", False)),
+        elastic_ep_max_dp_size=getattr(parallel_config, "elastic_ep_max_dp_size", None),
         data_parallel_master_port=pick(  # type: ignore[arg-type]  # checked by validate()
             data_parallel_master_port, "data_parallel_master_port", None
         ),
@@ -544,6 +547,13 @@ class DPCoordinatorProcess:
                 )
                 ipc_dir = owned_ipc_dir
             args += ["--ipc-dir", ipc_dir]
+        if self.settings.enable_elastic_ep:
+            # vLLM's frontends resize the group with SCALE_ELASTIC_EP, within the bound
+            # vLLM itself enforces; by default the coordinator's size is fixed.
+            size = self.settings.data_parallel_size
+            most = self.settings.elastic_ep_max_dp_size
+            args += ["--min-engines", "1", "--max-engines",
+                     str(most if isinstance(most, int) and most >= size else size)]
         args += env_args
         args += list(extra_args)
         if host is not None and self._needs_insecure(host, args):

@@ -24,10 +24,12 @@ Identities stay off the coordinator's managed ranks (so the clean group's
 ranks are never claimed) and off the `\\x00`-prefixed ids libzmq makes up for
 peers without one (on the frontend socket those belong to real frontends). A
 message that the coordinator's own decoders accept as a valid state change
-(an in-range stats or wave report, SCALE_ELASTIC_EP, a frontend register,
-submit or admin command) is skipped and counted as `skipped_valid`: valid
-input may change state, and the check after fuzzing is that *bad* input did
-not. Every report the decoder accepts is also checked against the protocol's
+(an in-range stats or wave report, a frontend register or submit) is skipped
+and counted as `skipped_valid`: valid input may change state, and the check
+after fuzzing is that *bad* input did not. `SCALE_ELASTIC_EP` and admin
+commands are sent, valid or not: the coordinator keeps its size fixed by
+default and takes no admin command from a frontend connection, so they must
+change nothing either. Every report the decoder accepts is also checked against the protocol's
 bounds independently of the decoder (`findings`). Up an XSUB, a multipart
 message whose first frame starts with 0x00/0x01 reaches the coordinator as two
 messages (libzmq takes the first frame as a subscription), so both are judged.
@@ -574,16 +576,19 @@ def _classify_received(socket: str, frames: tuple[bytes, ...],
         vllm.SUBSCRIBE, vllm.UNSUBSCRIBE
     ):
         try:
-            upstream = vllm.decode_front_upstream(frames[0])
+            vllm.decode_front_upstream(frames[0])
         except ProtocolError:
             return False, []
-        return isinstance(upstream, vllm.ScaleElasticEP), []
+        # SCALE_ELASTIC_EP is sent too: the coordinator under test keeps its size fixed
+        # (no --min-engines/--max-engines), so any resize must be refused.
+        return False, []
     if socket == "frontend":
         try:
             request, _ = fp.decode_request(frames)
         except ProtocolError:
             return False, []
-        return isinstance(request, (fp.Register, fp.Submit, fp.Admin)), []
+        # Admin commands are sent too: the fuzzer is no operator, so they must be refused.
+        return isinstance(request, (fp.Register, fp.Submit)), []
     return False, []
 
 

@@ -4,13 +4,19 @@ cordon    the rank stays in the wave but gets no new requests
 uncordon  it takes requests again
 drain     like cordon, and (with --wait) waits until its last request finished
 
-They go over the coordinator's frontend socket as the protocol's `admin` message;
-the coordinator answers with the rank's new state or says why it refused.
+They are the frontend protocol's `admin` message, and they change membership, so
+the coordinator takes them only from an operator: by default they go to its
+`admin` socket (ipc, owner-only: run them on the coordinator's host as its user),
+found through the address file; with CURVE keys (`--curve-secret-key`) they go to
+the `frontend` socket, where the key must be listed in the coordinator's
+`--admin-keys-dir`. The coordinator answers with the rank's new state or says why
+it refused.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -72,10 +78,26 @@ def add_admin_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         add_curve_client_arguments(p)
 
 
+def check_reachable(address: str) -> None:
+    """Say so at once when the owner-only admin socket is not ours to connect to
+    (ZeroMQ would retry silently until the timeout)."""
+    if not address.startswith("ipc://"):
+        return
+    path = address[len("ipc://"):]
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise StatusError(f"the admin socket {path} is owner-only and this user may not use "
+                          "it: run the command as the coordinator's user, or over CURVE with "
+                          "a key listed in its --admin-keys-dir (--curve-secret-key, "
+                          "--curve-server-key)")
+
+
 def run_admin(args: argparse.Namespace) -> int:
     command: fp.AdminCommand = args.command
+    # With keys, the frontend socket (tcp, CURVE); without, the owner-only admin socket.
+    key = "frontend" if args.curve_secret_key is not None else "admin"
     try:
-        address = read_frontend_address(args.addr_file)
+        address = read_frontend_address(args.addr_file, key)
+        check_reachable(address)
         client = AdminClient(address, curve_secret_key=args.curve_secret_key,
                              curve_server_key=args.curve_server_key)
     except (StatusError, ValueError) as exc:

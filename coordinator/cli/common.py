@@ -76,8 +76,8 @@ def discover_addr_file() -> str:
         f"coordinator you started with `serve --addr-file F`, give --addr-file F.{stale}")
 
 
-def read_frontend_address(path: str) -> str:
-    """The coordinator's `frontend` address from its address file."""
+def read_frontend_address(path: str, key: str = "frontend") -> str:
+    """The coordinator's `frontend` (or another `key`'s) address from its address file."""
     try:
         with open(path, encoding="utf-8") as handle:
             addresses = json.load(handle)
@@ -86,9 +86,9 @@ def read_frontend_address(path: str) -> str:
                           "it started with --addr-file pointing there?") from None
     except (OSError, json.JSONDecodeError) as exc:
         raise StatusError(f"cannot read the address file {path}: {exc}") from None
-    address = addresses.get("frontend") if isinstance(addresses, dict) else None
+    address = addresses.get(key) if isinstance(addresses, dict) else None
     if not isinstance(address, str) or not address:
-        raise StatusError(f"the address file {path} has no 'frontend' address")
+        raise StatusError(f"the address file {path} has no '{key}' address")
     return address
 
 

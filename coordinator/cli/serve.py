@@ -16,6 +16,7 @@ sockets (keys of the address file):
   back_publish   XPUB    READY gate and START_DP_WAVE to engines
   front_publish  XPUB    [counts, wave, running] to frontends
   frontend       ROUTER  this project's frontend protocol (docs/PROTOCOL.md)
+  admin          ROUTER  operators' commands; ipc, owner-only, in a private directory
 
 Engines identify themselves by their DP rank as two little-endian bytes; other
 identities, ranks outside the range, and live ranks claimed by another engine
@@ -77,6 +78,23 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
                    "its model there, silently (default 1800)")
     p.add_argument("--policy", default="least-loaded", choices=["least-loaded", "p2c"],
                    help="how submitted requests pick a rank (default least-loaded)")
+    p.add_argument("--frontend-lease-ttl-s", type=float, default=30.0, metavar="S",
+                   help="a frontend registration with no message or heartbeat for this long "
+                   "expires, freeing its slot (the SDK heartbeats every S/3) (default 30)")
+    p.add_argument("--min-engines", type=int, default=0, metavar="N",
+                   help="fewest ranks a SCALE_ELASTIC_EP may leave (default: --engines, so "
+                   "the group size is fixed); smaller requests are refused and counted")
+    p.add_argument("--max-engines", type=int, default=0, metavar="N",
+                   help="most ranks a SCALE_ELASTIC_EP may ask for (default: --engines); for "
+                   "elastic EP give vLLM's --elastic-ep-max-dp-size")
+    p.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024, metavar="B",
+                   help="bound on one message on the frontend socket, all frames together "
+                   "(a submit with its payload); larger ones are refused with too_large "
+                   "(default 16 MiB)")
+    p.add_argument("--max-engine-message-bytes", type=int, default=1024 * 1024, metavar="B",
+                   help="bound on one message from an engine (handshake, dispatch, "
+                   "back_output), all frames together; larger ones are dropped and counted "
+                   "(default 1 MiB)")
     p.add_argument("--master-ip", default=None,
                    help="data_parallel_master_ip sent to every engine in INIT "
                    "(default: the advertised host, 127.0.0.1 for ipc)")
@@ -107,6 +125,10 @@ def add_curve_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--curve-clients-dir", default=None, metavar="DIR",
                        help="directory of allowed client public keys (*.key); others are "
                        "refused and counted")
+    group.add_argument("--admin-keys-dir", default=None, metavar="DIR",
+                       help="directory of operators' public keys (*.key): CURVE connections "
+                       "with these keys may run cordon/uncordon/drain on the frontend socket "
+                       "(without it, only the owner-only admin socket may)")
     group.add_argument("--insecure", action="store_true",
                        help="allow binding a non-loopback TCP address without CURVE keys")
 
@@ -146,6 +168,11 @@ def run_serve(args: argparse.Namespace) -> int:
         lease_ttl_s=args.lease_ttl_s,
         handshake_timeout_s=args.handshake_timeout_s,
         policy=args.policy,
+        frontend_lease_ttl_s=args.frontend_lease_ttl_s,
+        min_engines=args.min_engines,
+        max_engines=args.max_engines,
+        max_request_bytes=args.max_request_bytes,
+        max_engine_message_bytes=args.max_engine_message_bytes,
         master_ip=args.master_ip,
         master_port=args.master_port,
         coord_store_port=args.coord_store_port,
@@ -158,6 +185,7 @@ def run_serve(args: argparse.Namespace) -> int:
         recorder_size=args.recorder_size,
         curve_secret_key=args.curve_secret_key,
         curve_clients_dir=args.curve_clients_dir,
+        admin_keys_dir=args.admin_keys_dir,
         insecure=args.insecure,
     )
     return run_server(config)

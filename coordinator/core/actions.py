@@ -32,7 +32,8 @@ import msgspec
 from coordinator.core.persisted import SavedState
 
 SocketName: TypeAlias = Literal[
-    "handshake", "dispatch", "back_output", "back_publish", "front_publish", "frontend"
+    "handshake", "dispatch", "back_output", "back_publish", "front_publish", "frontend",
+    "admin",
 ]
 ConnectionSocket: TypeAlias = Literal["handshake", "dispatch"]
 PublishSocket: TypeAlias = Literal["back_publish", "front_publish"]

@@ -77,6 +77,13 @@ class CoreConfig:
     policy: str = "least-loaded"
     legacy_frontends: bool = False
     """Also honour the pre-0.33 frontend wake, and publish 2-wide count rows."""
+    frontend_lease_ttl_s: float = 30.0
+    """A frontend registration not renewed (traffic, heartbeats) for this long expires."""
+    admin_keys: frozenset[str] = frozenset()
+    """CURVE client keys (Z85) of operators, who may run admin commands on ``frontend``."""
+    min_engines: int = 0
+    max_engines: int = 0
+    """Bounds on SCALE_ELASTIC_EP's rank count; 0 means ``engines`` (a fixed size)."""
     watchdog_stall_s: float = 30.0
     """0 disables the watchdog's alerts."""
     watchdog_rewake: bool = True
@@ -107,7 +114,8 @@ class CoreContext:
         )
         self.gate = StartGate(config.engines)
         self.frontends = FrontendRegistry(
-            expected=config.frontends, max_frontends=config.max_frontends
+            expected=config.frontends, max_frontends=config.max_frontends,
+            lease_ttl_s=config.frontend_lease_ttl_s,
         )
         self.requests = RequestLedger(max_in_flight=config.max_in_flight)
         self.recorder = FlightRecorder(config.recorder_size)
@@ -191,6 +199,7 @@ class CoreContext:
             version=STATE_VERSION, wave=self.waves.current_wave, gate_open=self.gate.is_open,
             inits_sent=self.frontends.inits_sent, leases=leases,
             frontends=self.frontends.saved(), addresses=dict(self.addresses),
+            pinned=self.frontends.pinned() or None,
         )
 
     # ---- outputs ---------------------------------------------------------------------------
@@ -291,7 +300,8 @@ class CoreContext:
         self._refresh_due = True
         self._log(INFO, "dp_rank=%d: %s -> %s (%s)", change.rank,
                   change.old.value if change.old else "absent",
-                  change.new.value if change.new else "absent", change.cause)
+                  change.new.value if change.new else "absent", change.cause,
+                  key=f"rank:{change.rank}:{change.new.value if change.new else 'absent'}")
         if change.new in (RankState.DEAD, None):
             self.counters["lease.dead"] += 1
             failed = self._fail_rank_requests(change.rank, change.cause)
@@ -308,7 +318,8 @@ class CoreContext:
                                          rank=change.rank)
             if self.config.lockstep:
                 self._log(ERROR, "dp_rank=%d is gone (%s): in lockstep mode the group cannot "
-                          "finish a wave until it is back", change.rank, change.cause)
+                          "finish a wave until it is back", change.rank, change.cause,
+                          key=f"gone:{change.rank}")
 
     def _fail_rank_requests(self, rank: int, reason: str) -> list[str]:
         failed: list[str] = []
@@ -316,13 +327,16 @@ class CoreContext:
             self.counters["requests.failed"] += len(ids)
             self._reply(frontend, fp.RequestsFailed(ids, rank, reason), SendPurpose.NOTICE)
             failed += ids
+        # Every frontend hears of it too, after its own failures: requests sent there
+        # before a coordinator restart have no entry here, and the SDK fails them itself.
+        self._notify_frontends(fp.RankLost(rank, reason))
         return failed
 
     def _maybe_drained(self, rank: int) -> None:
         lease = self.membership.lease(rank)
         if lease is None or lease.state is not RankState.DRAINING or self.requests.count(rank):
             return
-        self._log(INFO, "dp_rank=%d drained: no requests in flight", rank)
+        self._log(INFO, "dp_rank=%d drained: no requests in flight", rank, key=f"drained:{rank}")
         self._notify_frontends(fp.RankDrained(rank))
 
     def _publish_full(self, now: float) -> None:
@@ -337,9 +351,11 @@ class CoreContext:
 
     def _send_init(self, rank: int, identity: bytes) -> None:
         frontends = self.frontends
+        # An index nobody holds points at back_output, where a stray output is dropped and
+        # counted instead of reaching another frontend (see core.frontends).
         addresses = vllm.EngineZmqAddresses(
             inputs=[self.addresses["dispatch"], *frontends.input_addresses()],
-            outputs=frontends.output_addresses(),
+            outputs=frontends.output_addresses(hole=self.addresses["back_output"]),
             coordinator_input=self.addresses["back_publish"],
             coordinator_output=self.addresses["back_output"],
             frontend_stats_publish_address=self.addresses["front_publish"],
@@ -350,6 +366,8 @@ class CoreContext:
                    confirm=True)
 
     def _send_failed_log(self, socket: SocketName, identity: bytes) -> None:
+        # Keyed by socket only: peers choose their identities, and a key per identity
+        # would give every new one a line of its own.
         self._log(WARNING, "could not send on %s to %r (peer gone or queue full)", socket,
-                  identity, key=f"send:{socket}:{identity!r}")
+                  identity, key=f"send:{socket}")
 

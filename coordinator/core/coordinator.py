@@ -162,10 +162,15 @@ class CoordinatorCore(EngineRules, FrontendRules):
     def _on_send_succeeded(self, event: SendSucceeded, now: float) -> None:
         action = event.action
         if action.purpose is SendPurpose.INIT:
+            # The engine pushes to the addresses it carried for good: pin them. Nothing
+            # changed in between: the outcome is reported right after the send.
+            if self.frontends.pin_outputs():
+                self._state_changed()
             if not self.frontends.inits_sent:
                 self.frontends.inits_sent = True
                 self._state_changed()
-            self._log(INFO, "dp_rank=%d: sent INIT", identity_to_rank(action.identity))
+            rank = identity_to_rank(action.identity)
+            self._log(INFO, "dp_rank=%d: sent INIT", rank, key=f"init:{rank}")
         elif action.purpose in _PROBES:
             self._probe_answered(action.purpose, identity_to_rank(action.identity), True,
                                  event.heard_ago_s, now)
@@ -176,9 +181,11 @@ class CoordinatorCore(EngineRules, FrontendRules):
         pause = liveness.pause_of(min(self._next_lease_check, self._next_observe), now)
         if pause:
             self._credit_pause(pause, now)
+            self.frontends.credit_pause(now)
         if now >= self._next_lease_check:
             self._next_lease_check = now + self._lease_interval_s
             self._check_leases(now)
+            self._expire_frontends(now)
         if now >= self._next_observe:
             self._next_observe = now + self.config.observe_interval_s
             self._observe(now)
@@ -214,7 +221,8 @@ class CoordinatorCore(EngineRules, FrontendRules):
             )
             if isinstance(result, Refused):
                 self._log(WARNING, "state file: %s", result.message)
-        self.frontends.restore(saved.frontends, inits_sent=saved.inits_sent)
+        self.frontends.restore(saved.frontends, inits_sent=saved.inits_sent, now=now,
+                               pinned=saved.pinned)
         if saved.gate_open:
             # Engines already passed the start-up gate; their reconnecting subscriptions
             # only get READY again, which they ignore.
@@ -263,6 +271,7 @@ class CoordinatorCore(EngineRules, FrontendRules):
             return
         if socket == "handshake" and event.frame_count > 2:
             self._handshake_error(event.identity, "expected exactly one payload frame")
-        elif socket == "frontend" and event.frame_count >= 2:
-            self._reply(event.identity, fp.ErrorReply(event.call_id, fp.ERR_BAD_FRAME,
-                                                      error.message))
+        elif socket in ("frontend", "admin") and event.frame_count >= 2:
+            code = fp.ERR_TOO_LARGE if error.reason == "too_large" else fp.ERR_BAD_FRAME
+            self._send(socket, event.identity,
+                       (fp.encode(fp.ErrorReply(event.call_id, code, error.message)),))

@@ -19,6 +19,7 @@ from coordinator.core.actions import (
     Publish,
     SendPurpose,
 )
+from coordinator.core.authority import resize_refusal
 from coordinator.core.claims import Greeting
 from coordinator.core.context import CoreContext
 from coordinator.core.events import (
@@ -101,7 +102,8 @@ class EngineRules(CoreContext):
         self._note_accepted("hello", result, now)
         if self.frontends.init_step() is InitStep.HOLD:
             self._log(INFO, "dp_rank=%d said HELLO; INIT waits until %d frontends registered "
-                      "(%d so far)", rank, self.frontends.expected, len(self.frontends))
+                      "(%d so far)", rank, self.frontends.expected, len(self.frontends),
+                      key=f"hold:{rank}")
             self.frontends.hold_init(rank, event.identity)
             return
         self._send_init(rank, event.identity)
@@ -117,7 +119,7 @@ class EngineRules(CoreContext):
             self.counters["handshake.replaced"] += 1
             self._log(WARNING, "dp_rank=%d: engine %s replaces %s (previous registration %s)",
                       lease.rank, lease.engine_id, result.replaced.engine_id,
-                      result.replaced.state.value)
+                      result.replaced.state.value, key=f"replaced:{lease.rank}")
             self._fail_rank_requests(lease.rank, "the engine was replaced by a new incarnation")
             self._apply_wave_actions(self.waves.on_group_changed(), now,
                                      cause=f"dp_rank={lease.rank} has a new incarnation",
@@ -137,7 +139,8 @@ class EngineRules(CoreContext):
             # handshake socket right after READY and never reads a reply.
             self._send("handshake", event.identity, (vllm.encode_handshake_accepted(),),
                        SendPurpose.HANDSHAKE)
-        self._log(INFO, "dp_rank=%d ready (engine_id=%s)", event.rank, result.lease.engine_id)
+        self._log(INFO, "dp_rank=%d ready (engine_id=%s)", event.rank, result.lease.engine_id,
+                  key=f"ready:{event.rank}")
 
     # ---- engines: dispatch greetings, reports, the gate ------------------------------------
 
@@ -150,8 +153,10 @@ class EngineRules(CoreContext):
         greeting = self.membership.greeted(rank, now, event.conn)
         if greeting is Greeting.BOUND or greeting is Greeting.REPEATED:
             self.counters["dispatch.greetings"] += 1
-            self._log(INFO, "dp_rank=%d connected on dispatch", rank,
-                      key=None if greeting is Greeting.BOUND else f"greet:{rank}")
+            # Only the greeting that binds a connection is news: a connect is logged once,
+            # not once per message.
+            if greeting is Greeting.BOUND:
+                self._log(INFO, "dp_rank=%d connected on dispatch", rank)
         elif greeting is Greeting.SECOND_CLAIM:
             self.counters["dispatch.second_claims"] += 1
             self._record(now, KIND_REFUSAL, "second claim on dispatch", rank=rank,
@@ -215,7 +220,8 @@ class EngineRules(CoreContext):
         if step is GateStep.LATE_READY:
             # A late or returning engine is blocked until it sees READY.
             self._out.append(Publish("back_publish", (vllm.READY,)))
-            self._log(INFO, "engine subscription on back_publish after start-up; sent READY")
+            self._log(INFO, "engine subscription on back_publish after start-up; sent READY",
+                      key="late-subscription")
         elif step is GateStep.OPEN:
             self._state_changed()
             self._out.append(Publish("back_publish", (vllm.READY,)))
@@ -227,10 +233,10 @@ class EngineRules(CoreContext):
             self._log(INFO, "all %d engines subscribed; READY sent", self.gate.expected)
         else:
             self._log(INFO, "engine subscribed on back_publish (%d of %d)",
-                      self.gate.subscriptions, self.gate.expected)
+                      self.gate.subscriptions, self.gate.expected, key="subscription")
 
     def _on_engine_unsubscribed(self, event: EngineUnsubscribed, now: float) -> None:
-        self._log(INFO, "the last engine subscriber left back_publish")
+        self._log(INFO, "the last engine subscriber left back_publish", key="unsubscription")
 
     # ---- front_publish upstream ------------------------------------------------------------
 
@@ -248,7 +254,16 @@ class EngineRules(CoreContext):
             self._drop("front_publish", "bad_value", f"SCALE_ELASTIC_EP {event.new_count} "
                        f"leaves no ranks above rank_start={rank_start}")
             return
-        self._log(INFO, "SCALE_ELASTIC_EP: %d -> %d engines", len(self.rank_range), count)
+        config = self.config
+        refusal = resize_refusal(count, current=len(self.rank_range),
+                                 min_engines=config.min_engines or config.engines,
+                                 max_engines=config.max_engines or config.engines)
+        if refusal is not None:
+            self.counters["refused.front_publish.scale_out_of_range"] += 1
+            self._log(WARNING, "%s", refusal, key="resize-refused")
+            return
+        self._log(INFO, "SCALE_ELASTIC_EP: %d -> %d engines", len(self.rank_range), count,
+                  key="resize")
         for change in self.membership.resize(count):
             self._on_rank_changed(change, now)
         self._rank_end = rank_start + count

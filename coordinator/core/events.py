@@ -32,6 +32,7 @@ from typing import Literal, TypeAlias
 import msgspec
 
 from coordinator.core.actions import ConnectionSocket, DispatchAdd, Send, SocketName
+from coordinator.core.authority import Channel
 from coordinator.core.persisted import SavedState
 from coordinator.protocol import frontend as fp
 from coordinator.protocol import vllm
@@ -90,11 +91,18 @@ class FrontendUnsubscribed(msgspec.Struct, frozen=True, gc=False):
 
 
 class FrontendRequestReceived(msgspec.Struct, frozen=True):
-    """A decoded frontend request from connection ``identity``; ``payload`` only for submit."""
+    """A decoded frontend request from connection ``identity``; ``payload`` only for submit.
+
+    ``channel`` is the socket it came in on (``frontend``, or the operators' owner-only
+    ``admin`` socket) and ``user_id`` the peer's CURVE key (Z85) when it has one: the
+    facts ``core.authority`` judges operators by.
+    """
 
     identity: bytes
     message: fp.FrontendRequest
     payload: list[bytes]
+    channel: Channel = "frontend"
+    user_id: str | None = None
 
 
 class BadFrame(msgspec.Struct, frozen=True):

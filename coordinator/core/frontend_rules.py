@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from logging import INFO, WARNING
 
-from coordinator.core.actions import Action, DispatchAdd, Send, SendPurpose
+from coordinator.core.actions import Action, DispatchAdd, Send, SendPurpose, SocketName
+from coordinator.core.authority import Authority, authority, not_authorized_message
 from coordinator.core.context import CoreContext
 from coordinator.core.events import FrontendRequestReceived
 from coordinator.core.frontends import RegisterVerdict
@@ -33,23 +34,90 @@ class FrontendRules(CoreContext):
 
     def _on_frontend_request(self, event: FrontendRequestReceived, now: float) -> None:
         message = event.message
+        if event.channel == "admin":
+            self._on_operator_request(event, now)
+            return
+        self.frontends.touch(event.identity, now)
         if type(message) is fp.Submit:
             self._on_submit(event.identity, message, event.payload, now)
         elif type(message) is fp.Finished:
             for request_id in message.request_ids:
                 self._forget(request_id)
+        elif type(message) is fp.Heartbeat:
+            self._on_heartbeat(event.identity, message, now)
         elif type(message) is fp.Register:
-            self._on_register(event.identity, message)
+            self._on_register(event.identity, message, now)
         elif type(message) is fp.Abort:
             self._on_abort(event.identity, message)
         elif type(message) is fp.QueryState:
             self._reply(event.identity, fp.StateReply(message.call_id, self.group_state(now)))
         elif type(message) is fp.Admin:
-            self._on_admin(event.identity, message, now)
+            operator = authority(event.channel, event.user_id, self.config.admin_keys)
+            self._on_admin("frontend", event.identity, message, now,
+                           operator=operator is Authority.OPERATOR)
 
-    def _on_register(self, identity: bytes, msg: fp.Register) -> None:
+    def _on_operator_request(self, event: FrontendRequestReceived, now: float) -> None:
+        """The owner-only admin socket: operators' commands and state queries, nothing else."""
+        message = event.message
+        if type(message) is fp.Admin:
+            self._on_admin("admin", event.identity, message, now, operator=True)
+        elif type(message) is fp.QueryState:
+            self._answer("admin", event.identity,
+                         fp.StateReply(message.call_id, self.group_state(now)))
+        else:
+            self._drop("admin", "wrong_socket", type(message).__name__)
+            self._answer("admin", event.identity, fp.ErrorReply(
+                fp.call_id_of(message), fp.ERR_BAD_FRAME, "the admin socket takes only "
+                "'admin' and 'state' messages; frontends use the frontend socket"))
+
+    def _answer(self, socket: SocketName, identity: bytes, message: fp.FrontendReply) -> None:
+        self._out.append(Send(socket, identity, (fp.encode(message),)))
+
+    def _on_heartbeat(self, identity: bytes, msg: fp.Heartbeat, now: float) -> None:
+        if msg.progress:
+            self._observe_outputs(msg.progress, now)
+        if not self.frontends.holds(identity, msg.client_index):
+            self.counters["frontend.heartbeat_unregistered"] += 1
+            self._reply(identity, fp.ErrorReply(
+                msg.call_id, fp.ERR_NOT_REGISTERED, f"client_index {msg.client_index} is not "
+                "registered from this connection (its lease expired, or the coordinator "
+                "restarted without it): register again"))
+            return
+        self._reply(identity, fp.Alive(msg.call_id, self.frontends.lease_ttl_s,
+                                       self._heartbeat_interval_s()))
+
+    def _heartbeat_interval_s(self) -> float:
+        """How often frontends should heartbeat: for their lease, and often enough that
+        their evidence of progress reaches the watchdog well within its stall time."""
+        interval = self.frontends.heartbeat_interval_s
+        if self.config.watchdog_stall_s > 0:
+            interval = min(interval, self.config.watchdog_stall_s / 4)
+        return interval
+
+    def _observe_outputs(self, ranks: list[int], now: float) -> None:
+        """Outputs of ``ranks`` reached a frontend: they are stepping (see core.watchdog)."""
+        members = [rank for rank in ranks if self.config.rank_start <= rank < self._rank_end]
+        if members:
+            self.watchdog.observe_outputs(members, now=now)
+
+    def _expire_frontends(self, now: float) -> None:
+        """Registrations nobody renewed: free their slots (see core.frontends)."""
+        for peer in self.frontends.expire(now, check_interval_s=self._lease_interval_s):
+            forgotten = self.requests.take_frontend(peer.identity)
+            self.counters["frontend.expired"] += 1
+            self._state_changed()
+            self._refresh_due = True
+            self._log(WARNING, "frontend client_index=%d: no message or heartbeat for %g s; "
+                      "its registration expired (%d requests in flight from it forgotten)",
+                      peer.client_index, self.frontends.lease_ttl_s, len(forgotten),
+                      key=f"expired:{peer.client_index}")
+            for rank in sorted({entry.rank for entry in forgotten}):
+                if not self.requests.count(rank):
+                    self._maybe_drained(rank)
+
+    def _on_register(self, identity: bytes, msg: fp.Register, now: float) -> None:
         registration = self.frontends.register(
-            msg.client_index, identity, msg.output_address, msg.input_address
+            msg.client_index, identity, msg.output_address, msg.input_address, now=now
         )
         if registration.refusal is not None:
             self._reply(identity, fp.ErrorReply(msg.call_id, fp.ERR_BAD_CLIENT_INDEX,
@@ -60,10 +128,11 @@ class FrontendRules(CoreContext):
         if registration.verdict is RegisterVerdict.MOVED and previous is not None:
             moved = self.requests.move_frontend(previous.identity, identity)
             self._log(WARNING, "frontend client_index=%d re-registered from a new connection; "
-                      "%d in-flight requests now report to it", msg.client_index, moved)
+                      "%d in-flight requests now report to it", msg.client_index, moved,
+                      key=f"register:{msg.client_index}")
         else:
             self._log(INFO, "frontend client_index=%d registered (outputs at %s)",
-                      msg.client_index, msg.output_address)
+                      msg.client_index, msg.output_address, key=f"register:{msg.client_index}")
         wave, running = self.waves.snapshot()
         self._reply(identity, fp.Registered(
             msg.call_id, msg.client_index, self.config.rank_start, len(self.rank_range), wave,
@@ -171,7 +240,22 @@ class FrontendRules(CoreContext):
         routed = [request_id for ids in by_rank.values() for request_id in ids]
         self._reply(identity, fp.Aborted(msg.call_id, routed))
 
-    def _on_admin(self, identity: bytes, msg: fp.Admin, now: float) -> None:
+    def _on_admin(self, socket: SocketName, identity: bytes, msg: fp.Admin, now: float, *,
+                  operator: bool) -> None:
+        if not operator:
+            self.counters["refused.admin.not_authorized"] += 1
+            self._log(WARNING, "refused %s dp_rank=%d from a frontend connection that is not "
+                      "an operator (see core.authority)", msg.command, msg.rank,
+                      key="admin:not_authorized")
+            self._answer(socket, identity, fp.ErrorReply(
+                msg.call_id, fp.ERR_NOT_AUTHORIZED, not_authorized_message(msg.command)))
+            return
+        if self.membership.check_rank(msg.rank) is not None:
+            first, last = self.config.rank_start, self.config.rank_start + len(self.rank_range) - 1
+            self._answer(socket, identity, fp.ErrorReply(
+                msg.call_id, fp.ERR_ADMIN_REFUSED, f"dp_rank={msg.rank} is not one of this "
+                f"coordinator's ranks ({first}..{last}); `dp-coordinator status` lists them"))
+            return
         if msg.command == "cordon":
             result = self.membership.cordon(msg.rank)
         elif msg.command == "uncordon":
@@ -179,12 +263,12 @@ class FrontendRules(CoreContext):
         else:
             result = self.membership.drain(msg.rank)
         if isinstance(result, Refused):
-            self._reply(identity, fp.ErrorReply(msg.call_id, fp.ERR_ADMIN_REFUSED,
-                                                result.message))
+            self._answer(socket, identity, fp.ErrorReply(msg.call_id, fp.ERR_ADMIN_REFUSED,
+                                                         result.message))
             return
+        self.counters[f"admin.{msg.command}"] += 1
         self._on_rank_changed(result, now)
-        self._reply(identity, fp.AdminDone(msg.call_id, msg.rank,
-                                           result.new.value if result.new else "absent"))
+        self._answer(socket, identity, fp.AdminDone(
+            msg.call_id, msg.rank, result.new.value if result.new else "absent"))
         if msg.command == "drain":
             self._maybe_drained(msg.rank)
-

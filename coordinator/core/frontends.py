@@ -1,12 +1,12 @@
-"""Frontend registrations: client indices, pinned output addresses, and INITs held for them.
+"""Frontend registrations (leases): client indices, pinned output addresses, held INITs.
 
 Theory of operation
 -------------------
 A frontend registers under a *client index* with the address where engines
 push its outputs (and, optionally, an address where it takes requests
 itself). Engines learn every frontend's output address from their INIT reply,
-by client index, and push each request's outputs to the index the request
-carries. Two rules follow.
+as a list indexed by client index, and push each request's outputs to the
+index the request carries. Three rules follow.
 
 **INITs wait for the frontends.** With ``expected = K > 0`` (``--frontends``)
 an engine's INIT is held until K frontends have registered, so that every
@@ -22,18 +22,34 @@ K registered             SEND
 fewer than K registered  HOLD, until the K-th registers
 =======================  ==============================
 
-**An output address is pinned once INITs went out.** Engines keep pushing to
-the address they learnt; a re-registration that moved it would silently lose
-every output for that index. So after the first INIT was sent a client index
-keeps its output address; a restarted frontend must bind the same one.
+**A registration is a lease.** Any message from the connection that
+registered renews it, and so does a ``heartbeat`` (the SDK sends one every
+``interval``, a third of the TTL or less); one not renewed for
+``lease_ttl_s`` expires (``expire``): the frontend's slot is free for another,
+and so is its client index, within the pin below. A pause of the
+coordinator itself (no lease check for several check intervals) renews
+every registration instead of judging it: the frontends' messages are still
+queued, unread.
 
-``register_verdict`` decides a registration; the first matching row wins:
+**An output address is pinned once an INIT carried it.** Engines keep pushing
+to the address they learnt; a registration that moved it would silently send
+that index's outputs elsewhere. So once an INIT listed an index's address,
+the index keeps it for the life of the coordinator (and across restarts, in the
+state file), registered or not: a restarted frontend must bind the same
+address to take its index back; a frontend with another address must use
+another index. An index no INIT carried is free as soon as its lease expires.
+In an INIT, an index with neither a registration nor a pin is given the
+coordinator's own ``back_output`` address, so that a stray output for it is
+dropped and counted there instead of reaching another frontend.
+
+``register_verdict`` decides a registration; the first matching row wins
+(``limit`` is K when K > 0, else ``max_frontends``):
 
 =========================================================  ============  =================
 condition                                                  verdict       effect
 =========================================================  ============  =================
-K > 0 and index >= K                                       OUT_OF_RANGE  refused
-index not registered, registered >= max(K, max_frontends)  FULL          refused
+index >= limit                                             OUT_OF_RANGE  refused
+index pinned to another output address                     PINNED        refused
 index registered, other output address, INITs sent         PINNED        refused
 index not registered                                       NEW           added
 index registered from another connection                   MOVED         replaced; the
@@ -42,9 +58,9 @@ index registered from another connection                   MOVED         replace
 index registered from the same connection                  RENEWED       replaced
 =========================================================  ============  =================
 
-A refused registration changes nothing. Frontends never unregister (a
-frontend that goes away keeps its index, so its requests' failure notices
-still have an address to go to when it comes back).
+Indices below the limit are at most as many as the slots, so a limit on
+indices is also the limit on registrations, and on the length of INIT's
+``outputs``. A refused registration changes nothing.
 
 No IO: the caller sends the replies and the INITs.
 """
@@ -72,7 +88,6 @@ class RegisterVerdict(enum.Enum):
     MOVED = "moved"
     RENEWED = "renewed"
     OUT_OF_RANGE = "out_of_range"
-    FULL = "full"
     PINNED = "pinned"
 
 
@@ -85,17 +100,17 @@ def register_verdict(
     identity: bytes,
     output_address: str,
     previous: FrontendPeer | None,
-    registered: int,
     expected: int,
     max_frontends: int,
     inits_sent: bool,
+    pinned: str | None = None,
 ) -> RegisterVerdict:
     """The table in the module docstring, top to bottom."""
-    if expected and client_index >= expected:
+    if client_index >= (expected or max_frontends):
         return RegisterVerdict.OUT_OF_RANGE
+    if pinned is not None and pinned != output_address:
+        return RegisterVerdict.PINNED
     if previous is None:
-        if registered >= max(expected, max_frontends):
-            return RegisterVerdict.FULL
         return RegisterVerdict.NEW
     if previous.output_address != output_address and inits_sent:
         return RegisterVerdict.PINNED
@@ -123,17 +138,30 @@ class Registration:
     refusal: str | None = None
 
 
-class FrontendRegistry:
-    """Registered frontends by client index, the INIT hold and the address pin."""
+DEFAULT_LEASE_TTL_S = 30.0
+# No lease check for this many check intervals: the coordinator itself was paused.
+PAUSE_CHECKS = 4
 
-    def __init__(self, *, expected: int, max_frontends: int) -> None:
+
+class FrontendRegistry:
+    """Registered frontends by client index (leases), the INIT hold and the address pins."""
+
+    def __init__(self, *, expected: int, max_frontends: int,
+                 lease_ttl_s: float = DEFAULT_LEASE_TTL_S) -> None:
         if expected < 0 or max_frontends < 0:
             raise ValueError("expected and max_frontends must be >= 0")
+        if not lease_ttl_s > 0:
+            raise ValueError(f"the frontend lease TTL must be positive, got {lease_ttl_s}")
         self.expected = expected
         self.max_frontends = max_frontends
+        self.lease_ttl_s = lease_ttl_s
         self.inits_sent = False
         self._peers: dict[int, FrontendPeer] = {}
+        self._seen: dict[int, float] = {}
+        self._by_identity: dict[bytes, list[int]] = {}
+        self._pinned: dict[int, str] = {}
         self._held_inits: dict[int, bytes] = {}
+        self._last_check: float | None = None
 
     def __len__(self) -> int:
         return len(self._peers)
@@ -147,7 +175,16 @@ class FrontendRegistry:
 
     def identities(self) -> list[bytes]:
         """Connections of every registered frontend (for notices to all of them)."""
-        return [peer.identity for peer in self._peers.values()]
+        return list(self._by_identity)
+
+    def pinned(self) -> dict[int, str]:
+        """Output addresses by client index that INITs carried (a copy)."""
+        return dict(self._pinned)
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        """How often a frontend should renew its lease (a third of the TTL)."""
+        return self.lease_ttl_s / 3
 
     def register(
         self,
@@ -155,30 +192,89 @@ class FrontendRegistry:
         identity: bytes,
         output_address: str,
         input_address: str | None,
+        *,
+        now: float = 0.0,
     ) -> Registration:
-        """Decide and, unless refused, record a registration."""
+        """Decide and, unless refused, record a registration (a fresh lease)."""
         previous = self._peers.get(client_index)
         verdict = register_verdict(
             client_index=client_index, identity=identity, output_address=output_address,
-            previous=previous, registered=len(self._peers), expected=self.expected,
+            previous=previous, expected=self.expected,
             max_frontends=self.max_frontends, inits_sent=self.inits_sent,
+            pinned=self._pinned.get(client_index),
         )
         if verdict not in ACCEPTED_VERDICTS:
             return Registration(verdict, previous, self._refusal(verdict, client_index, previous))
-        self._peers[client_index] = FrontendPeer(
-            identity, client_index, output_address, input_address
-        )
+        if previous is not None:
+            self._unlink(previous)
+        self._add(FrontendPeer(identity, client_index, output_address, input_address), now)
         return Registration(verdict, previous)
+
+    def touch(self, identity: bytes, now: float) -> None:
+        """Traffic from ``identity`` renews every registration it holds (the hot path)."""
+        indices = self._by_identity.get(identity)
+        if indices is not None:
+            seen = self._seen
+            for index in indices:
+                seen[index] = now
+
+    def holds(self, identity: bytes, client_index: int) -> bool:
+        """Whether connection ``identity`` holds the registration of ``client_index``."""
+        peer = self._peers.get(client_index)
+        return peer is not None and peer.identity == identity
+
+    def expire(self, now: float, *, check_interval_s: float) -> list[FrontendPeer]:
+        """Drop the registrations not renewed for ``lease_ttl_s``; return them.
+
+        ``check_interval_s`` is how often the caller checks: a gap of several intervals
+        since the last check means the coordinator was paused, and every lease is
+        renewed instead (what the frontends sent meanwhile is still unread).
+        """
+        last, self._last_check = self._last_check, now
+        if last is not None and now - last > PAUSE_CHECKS * check_interval_s:
+            for index in self._seen:
+                self._seen[index] = now
+            return []
+        deadline = now - self.lease_ttl_s
+        gone = [index for index, seen in self._seen.items() if seen < deadline]
+        expired = []
+        for index in sorted(gone):
+            peer = self._peers[index]
+            self._unlink(peer)
+            expired.append(peer)
+        return expired
+
+    def credit_pause(self, now: float) -> None:
+        """The coordinator itself did not run until ``now``: what the frontends sent
+        meanwhile is still unread, so every lease runs from here."""
+        self._last_check = now
+        for index in self._seen:
+            self._seen[index] = now
+
+    def _add(self, peer: FrontendPeer, now: float) -> None:
+        self._peers[peer.client_index] = peer
+        self._seen[peer.client_index] = now
+        self._by_identity.setdefault(peer.identity, []).append(peer.client_index)
+
+    def _unlink(self, peer: FrontendPeer) -> None:
+        del self._peers[peer.client_index]
+        del self._seen[peer.client_index]
+        indices = self._by_identity[peer.identity]
+        indices.remove(peer.client_index)
+        if not indices:
+            del self._by_identity[peer.identity]
 
     def _refusal(
         self, verdict: RegisterVerdict, client_index: int, previous: FrontendPeer | None
     ) -> str:
         if verdict is RegisterVerdict.OUT_OF_RANGE:
-            return (f"client_index {client_index} is outside 0..{self.expected - 1} "
-                    f"(the coordinator was started with --frontends {self.expected})")
-        if verdict is RegisterVerdict.FULL:
-            return "too many frontends registered"
-        pinned = previous.output_address if previous is not None else "?"
+            if self.expected:
+                return (f"client_index {client_index} is outside 0..{self.expected - 1} "
+                        f"(the coordinator was started with --frontends {self.expected})")
+            return (f"client_index {client_index} is outside 0..{self.max_frontends - 1} "
+                    f"(at most {self.max_frontends} frontends)")
+        pinned = self._pinned.get(client_index) or (
+            previous.output_address if previous is not None else "?")
         return (f"client_index {client_index} is registered with outputs at {pinned}, which "
                 f"engines already use; a restarted frontend must bind that same address (or "
                 f"use another client index)")
@@ -199,8 +295,28 @@ class FrontendRegistry:
         held, self._held_inits = self._held_inits, {}
         return sorted(held.items())
 
-    def output_addresses(self) -> list[str]:
-        return [peer.output_address for peer in self.peers()]
+    def output_addresses(self, hole: str = "") -> list[str]:
+        """The INIT's ``outputs``: by client index, from 0 to the highest registered or
+        pinned one; an index with neither gets ``hole``."""
+        peers, pinned = self._peers, self._pinned
+        if not peers and not pinned:
+            return []
+        top = max(max(peers, default=0), max(pinned, default=0))
+        out = []
+        for index in range(top + 1):
+            peer = peers.get(index)
+            out.append(peer.output_address if peer is not None else pinned.get(index, hole))
+        return out
+
+    def pin_outputs(self) -> bool:
+        """An INIT is going out with every registered output address: pin them; True if a
+        pin is new."""
+        changed = False
+        for index, peer in self._peers.items():
+            if self._pinned.get(index) != peer.output_address:
+                self._pinned[index] = peer.output_address
+                changed = True
+        return changed
 
     def input_addresses(self) -> list[str]:
         return [peer.input_address for peer in self.peers() if peer.input_address]
@@ -214,10 +330,14 @@ class FrontendRegistry:
             for peer in self._peers.values()
         ]
 
-    def restore(self, frontends: list[SavedFrontend], *, inits_sent: bool) -> None:
+    def restore(self, frontends: list[SavedFrontend], *, inits_sent: bool, now: float = 0.0,
+                pinned: dict[int, str] | None = None) -> None:
+        """Resume the registrations (each with a fresh lease) and the pins of a state file."""
         for saved in frontends:
-            self._peers[saved.client_index] = FrontendPeer(
-                bytes.fromhex(saved.identity_hex), saved.client_index, saved.output_address,
-                saved.input_address,
-            )
+            peer = self._peers.get(saved.client_index)
+            if peer is not None:
+                self._unlink(peer)
+            self._add(FrontendPeer(bytes.fromhex(saved.identity_hex), saved.client_index,
+                                   saved.output_address, saved.input_address), now)
         self.inits_sent = inits_sent
+        self._pinned.update(pinned or {})

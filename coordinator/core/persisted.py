@@ -4,13 +4,15 @@ Engines re-report their wave and loads, and their sockets reconnect by
 themselves, but a stock vLLM engine never says HELLO again and a frontend's
 registration is not repeated either. The state file keeps exactly that: the
 settled registrations, the frontends, whether the start-up gate had opened and
-whether INITs went out, and the last wave (a floor: engine reports can only
-move it forward).
+whether INITs went out (and the output addresses they carried), and the last
+wave (a floor: engine reports can only move it forward).
 
-Not kept, on purpose: requests in flight. Their outputs go from engine to
-frontend without passing through the coordinator, so they still finish; what a
-restart loses is the routing entry used to forward an abort or to report the
-request failed if its rank dies.
+Not kept, on purpose: requests in flight (the file would be rewritten on every
+submit). Their outputs go from engine to frontend without passing through the
+coordinator, so they still finish; if their rank dies later, every registered
+frontend is told (``RankLost``) and the SDK fails the requests it sent there
+itself, the ones the new process never heard of included. What a restart loses
+is only an abort through the coordinator for a request sent before it.
 
 These are plain data (msgspec structs, written as JSON by the server); the
 core builds them (``CoordinatorCore.saved_state``) and restores from them
@@ -41,7 +43,7 @@ class SavedFrontend(msgspec.Struct):
     input_address: str | None
 
 
-class SavedState(msgspec.Struct):
+class SavedState(msgspec.Struct, omit_defaults=True):
     version: int
     wave: int
     gate_open: bool
@@ -49,3 +51,8 @@ class SavedState(msgspec.Struct):
     leases: list[SavedLease]
     frontends: list[SavedFrontend]
     addresses: dict[str, str]
+    pinned: dict[int, str] | None = None
+    """Output addresses by client index that INITs carried (``core.frontends``), whether
+    or not a frontend holds the index now. Added without a version change: it is
+    written only when there are pins, a file without it reads as None (no pins), and
+    older coordinators ignore it."""

@@ -38,7 +38,9 @@ The ledger's entries change only here:
 * ``take_rank`` when the rank died or was replaced: its requests are reported
   failed, each to the frontend connection that submitted it;
 * ``move_frontend`` when a frontend re-registers its index from a new
-  connection: failure notices follow it there.
+  connection: failure notices follow it there;
+* ``take_frontend`` when a frontend's registration expired: nobody is left to
+  say its requests finished, so their entries go (the engines still run them).
 
 No IO: the caller sends replies and notices.
 """
@@ -156,6 +158,15 @@ class RequestLedger:
                 del self._entries[request_id]
         del self._per_rank[rank]
         return taken
+
+    def take_frontend(self, frontend: bytes) -> list[InFlight]:
+        """Drop every request submitted from connection ``frontend`` (its registration
+        expired: nobody will say they finished); returns them."""
+        taken = [(request_id, entry) for request_id, entry in self._entries.items()
+                 if entry.frontend == frontend]
+        for request_id, _ in taken:
+            self.forget(request_id)
+        return [entry for _, entry in taken]
 
     def move_frontend(self, old: bytes, new: bytes) -> int:
         """Failure notices for ``old``'s requests go to ``new`` from now on; returns how many."""

@@ -10,6 +10,12 @@ alert long before the timeout, from two observations:
 * ``observe_stats(rank, wave, step, now)`` for every stats report. A rank made
   *progress* when its ``(wave, step)`` differs from its previous report (the
   first report counts too).
+* ``observe_outputs(ranks, now)`` when a frontend's heartbeat says outputs of
+  ``ranks`` reached it: they stepped. vLLM engines report stats only when
+  their request counts change, so through a long steady decode this is the
+  evidence that tells it from a hung collective (whose ranks produce no
+  outputs); the project's own engines also repeat their stats, step counter
+  included, while they step.
 * ``observe_group(running, wave, ranks, now)`` whenever the group's wave state
   may have changed, and before each check: whether the coordinator believes the
   group is running, its current wave, and which ranks belong to the group. The
@@ -183,6 +189,13 @@ class HangWatchdog:
         if self._active:
             self._settle(now, report_new=False)
 
+    def observe_outputs(self, ranks: Sequence[int], *, now: float) -> None:
+        """Outputs of ``ranks`` reached a frontend since its last word: they stepped."""
+        if self._members is None or any(rank in self._member_set for rank in ranks):
+            self._last_progress = now
+        if self._active:
+            self._settle(now, report_new=False)
+
     def observe_group(
         self, *, running: bool, wave: int, ranks: Sequence[int], now: float
     ) -> None:
@@ -267,8 +280,8 @@ class HangWatchdog:
         message = (
             f"wave {self._wave} is believed running but no rank has reported progress for "
             f"{now - since:.1f} s (limit {self.stall_after_s:g} s): a collective may be hung "
-            f"(or a long decode whose request counts did not change: engines report only "
-            f"on changes). Last reports: {steps or 'none'}"
+            f"(or a long steady decode whose outputs no frontend heartbeat reported: "
+            f"engines' stats come only on changes). Last reports: {steps or 'none'}"
             + (f"; never reported: ranks {','.join(map(str, silent))}" if silent else "")
         )
         return WatchdogAlert(NO_PROGRESS, since, message, ranks)

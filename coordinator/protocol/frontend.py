@@ -92,7 +92,20 @@ class Admin(_Message, tag="admin"):
     rank: Rank
 
 
-FrontendRequest = Register | Submit | Abort | Finished | QueryState | Admin
+class Heartbeat(_Message, tag="heartbeat"):
+    """Keeps this connection's registration of ``client_index`` alive (it is a lease).
+
+    ``progress`` lists the ranks whose outputs reached this frontend since its last
+    heartbeat: evidence that they are stepping, which engines' own reports may lack
+    (they report only when their request counts change).
+    """
+
+    call_id: CallId
+    client_index: ClientIndex
+    progress: Annotated[list[Rank], msgspec.Meta(max_length=MAX_ABORT_IDS)] = []
+
+
+FrontendRequest = Register | Submit | Abort | Finished | QueryState | Admin | Heartbeat
 
 
 # ---- coordinator -> frontend -------------------------------------------------
@@ -160,6 +173,15 @@ class AdminDone(_Message, tag="admin_done"):
     state: str
 
 
+class Alive(_Message, tag="alive"):
+    """The answer to a heartbeat: the registration is renewed for ``lease_ttl_s``; send
+    the next heartbeat within ``interval_s``."""
+
+    call_id: int
+    lease_ttl_s: float
+    interval_s: float
+
+
 class ErrorReply(_Message, tag="error"):
     call_id: int
     code: str
@@ -181,6 +203,15 @@ class RankDrained(_Message, tag="drained"):
     rank: int
 
 
+class RankLost(_Message, tag="rank_lost"):
+    """Unsolicited, to every registered frontend: the engine holding ``rank`` died or was
+    replaced. Requests this frontend sent there and has not seen finish will not finish,
+    including any the coordinator no longer knows of (sent before it restarted)."""
+
+    rank: int
+    reason: str
+
+
 class ShuttingDown(_Message, tag="shutdown"):
     """Unsolicited: the coordinator stops taking work and is about to close."""
 
@@ -197,6 +228,8 @@ FrontendReply = (
     | RequestsFailed
     | RankDrained
     | ShuttingDown
+    | Alive
+    | RankLost
 )
 
 # Error codes carried in ErrorReply.code.
@@ -210,6 +243,9 @@ ERR_TOO_MANY_IN_FLIGHT = "too_many_in_flight"
 ERR_ADMIN_REFUSED = "admin_refused"
 ERR_SHUTTING_DOWN = "shutting_down"
 ERR_BAD_CLIENT_INDEX = "bad_client_index"
+ERR_TOO_LARGE = "too_large"
+ERR_NOT_AUTHORIZED = "not_authorized"
+ERR_NOT_REGISTERED = "not_registered"
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(FrontendRequest)

@@ -23,10 +23,12 @@ import logging
 import os
 import random
 import shutil
+import stat
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
@@ -43,7 +45,9 @@ from coordinator.core.actions import (
     SaveState,
     Send,
     SetLinger,
+    SocketName,
 )
+from coordinator.core.authority import Channel
 from coordinator.core.coordinator import CoordinatorCore, CoreConfig
 from coordinator.core.events import (
     DUMP_RECORDER,
@@ -57,18 +61,22 @@ from coordinator.core.events import (
     StateSaveFailed,
 )
 from coordinator.protocol import vllm
+from coordinator.protocol.addresses import SOCKET_KEYS
 from coordinator.server.config import ServerConfig
 from coordinator.server.connections import PeerConnections
-from coordinator.server.curve import CurveServer
+from coordinator.server.curve import CurveServer, load_client_keys
 from coordinator.server.http import HttpEndpoints
 from coordinator.server.meeting_point import build_parallel_config
 from coordinator.server.observe import ObservedPusher, ObservedState
 from coordinator.server.planes import DECODERS, SOURCED_DECODERS, Decoder
+from coordinator.server.planes import frontend as frontend_plane
+from coordinator.server.planes.oversize import oversize_event
 from coordinator.server.statefile import load_state, save_state
 from coordinator.server.timers import CoreTimer
 from coordinator.server.transport import (
     FrameHandler,
     FrameReader,
+    OversizeHandler,
     RateLimitedLog,
     bind_socket,
     make_endpoint,
@@ -82,8 +90,8 @@ log = logging.getLogger("coordinator.server")
 MONITORED: Mapping[str, ConnectionSocket] = {"handshake": "handshake", "dispatch": "dispatch"}
 
 
-def core_config(cfg: ServerConfig) -> CoreConfig:
-    """The rules' share of the process's settings."""
+def core_config(cfg: ServerConfig, admin_keys: frozenset[str] = frozenset()) -> CoreConfig:
+    """The rules' share of the process's settings (``admin_keys`` read from their files)."""
     return CoreConfig(
         rank_start=cfg.rank_start, engines=cfg.engines, frontends=cfg.frontends,
         max_frontends=cfg.max_frontends, max_in_flight=cfg.max_in_flight,
@@ -93,6 +101,8 @@ def core_config(cfg: ServerConfig) -> CoreConfig:
         policy=cfg.policy, legacy_frontends=cfg.vllm_compat == "legacy",
         watchdog_stall_s=cfg.watchdog_stall_s, watchdog_rewake=cfg.watchdog_rewake,
         recorder_size=cfg.recorder_size, persist=cfg.state_file is not None,
+        admin_keys=admin_keys, min_engines=cfg.min_engines, max_engines=cfg.max_engines,
+        frontend_lease_ttl_s=cfg.frontend_lease_ttl_s,
     )
 
 
@@ -103,7 +113,12 @@ class CoordinatorServer:
         config.validate()
         self.config = config
         self.clock = clock
-        self.core = CoordinatorCore(core_config(config), rng=random.Random(), now=clock())
+        admin_keys = frozenset[str]()
+        if config.admin_keys_dir is not None:
+            admin_keys = frozenset(key.decode("ascii")
+                                   for key in load_client_keys(config.admin_keys_dir))
+        self.core = CoordinatorCore(core_config(config, admin_keys), rng=random.Random(),
+                                    now=clock())
         self.addresses: dict[str, str] = {}
         self.http: HttpEndpoints | None = None
         self.curve: CurveServer | None = None
@@ -142,6 +157,10 @@ class CoordinatorServer:
         self.frame_handlers["back_output"] = self._stats_feeder()
         for key in MONITORED:
             self.frame_handlers[key] = self._sourced_feeder(key)
+        self.frame_handlers["frontend"] = self._frontend_feeder("frontend")
+        self.frame_handlers["admin"] = self._frontend_feeder("admin")
+        self._frontend_user_id: str | None = None
+        self._admin_dir: str | None = None
 
     # ---- setup and teardown -------------------------------------------------
 
@@ -158,7 +177,8 @@ class CoordinatorServer:
         ipc_dir = self._ipc_dir or ""
         self._ctx = zmq.Context()
         if cfg.curve_secret_key is not None and cfg.curve_clients_dir is not None:
-            self.curve = CurveServer(self._ctx, cfg.curve_secret_key, cfg.curve_clients_dir)
+            self.curve = CurveServer(self._ctx, cfg.curve_secret_key, cfg.curve_clients_dir,
+                                     admin_dir=cfg.admin_keys_dir)
             self.curve.start()
         try:
             for index, (key, kind, options) in enumerate(self._socket_specs()):
@@ -167,15 +187,17 @@ class CoordinatorServer:
                     key, host=cfg.host, ipc_dir=ipc_dir, port=port
                 )
                 sock, resolved = bind_socket(
-                    self._ctx, kind, endpoint, max_message_bytes=cfg.max_message_bytes,
+                    self._ctx, kind, endpoint, max_message_bytes=cfg.max_message_bytes(key),
                     options=options, configure=self._configurer(key, endpoint),
                 )
                 self._sockets[key] = sock
                 self.addresses[key] = resolved
-        except zmq.ZMQError:
+            self._bind_admin()
+        except (zmq.ZMQError, OSError):
             self.close()
             raise
-        self._feed(Bound(dict(self.addresses), build_parallel_config(cfg)))
+        engine_facing = {key: self.addresses[key] for key in SOCKET_KEYS}
+        self._feed(Bound(engine_facing, build_parallel_config(cfg)))
         if cfg.state_file is not None:
             saved = load_state(cfg.state_file)  # raises StateFileError if unusable
             if saved is None:
@@ -184,8 +206,7 @@ class CoordinatorServer:
                 self._feed(Restore(saved, cfg.state_file))
         if cfg.metrics_port is not None:
             self.http = HttpEndpoints(cfg.metrics_host, cfg.metrics_port, clock=self.clock)
-            port = self.http.start()
-            log.info("metrics and health endpoints on http://%s:%d/", cfg.metrics_host, port)
+            self.http.start()  # logs its URL
         if cfg.addr_file:
             write_address_file(cfg.addr_file, self.addresses)
         return dict(self.addresses)
@@ -203,6 +224,31 @@ class CoordinatorServer:
                                                          self._feed)
 
         return configure
+
+    def _bind_admin(self) -> None:
+        """The operators' socket: ipc in a private directory (``admin.d`` in the ipc
+        directory, or a new temporary one), the file owner-only.
+
+        Connecting to a unix socket needs write permission on its file, so only this
+        process's user (and root) can reach it; that is the authority of what comes
+        in on it (see core.authority).
+        """
+        assert self._ctx is not None
+        if self._ipc_dir is not None:
+            self._admin_dir = os.path.join(self._ipc_dir, "admin.d")
+            os.makedirs(self._admin_dir, mode=stat.S_IRWXU, exist_ok=True)
+            os.chmod(self._admin_dir, stat.S_IRWXU)
+        else:
+            self._admin_dir = tempfile.mkdtemp(prefix="dp-coordinator-admin-")
+        path = os.path.join(self._admin_dir, "admin")
+        sock, resolved = bind_socket(
+            self._ctx, zmq.ROUTER, f"ipc://{path}",
+            max_message_bytes=self.config.max_message_bytes("admin"),
+            options=[(zmq.ROUTER_MANDATORY, 1), (zmq.ROUTER_HANDOVER, 1)],
+        )
+        os.chmod(path, stat.S_IRUSR | stat.S_IWUSR)
+        self._sockets["admin"] = sock
+        self.addresses["admin"] = resolved
 
     def _socket_specs(self) -> list[tuple[str, int, list[tuple[int, int]]]]:
         """The six sockets in bind order (``--port-base`` counts in this order)."""
@@ -263,6 +309,9 @@ class CoordinatorServer:
                     os.unlink(endpoint[len("ipc://"):])
         if self._ipc_dir is not None and self._owns_ipc_dir:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        if self._admin_dir is not None:
+            shutil.rmtree(self._admin_dir, ignore_errors=True)
+            self._admin_dir = None
         if self.config.addr_file:
             with contextlib.suppress(OSError):
                 os.unlink(self.config.addr_file)
@@ -286,7 +335,11 @@ class CoordinatorServer:
             connections = self._connections.get(key)
             self._readers[key] = FrameReader(
                 self._sockets[key], handler, name=key, on_error=self._handler_failed,
-                source=connections.source if connections else None)
+                source=connections.source if connections else None,
+                max_message_bytes=self.config.max_message_bytes(key),
+                on_oversize=self._oversize_feeder(key),
+                on_peer=self._on_frontend_peer if (
+                    key == "frontend" and self.curve is not None) else None)
         for key, connections in self._connections.items():
             self._readers[f"{key}.monitor"] = FrameReader(
                 connections.monitor, self._monitor_feeder(connections),
@@ -319,6 +372,32 @@ class CoordinatorServer:
 
         def on_frames(frames: list[bytes]) -> None:
             actions = handle(decode(frames), clock())
+            if actions:
+                execute(actions)
+
+        return on_frames
+
+    def _oversize_feeder(self, key: str) -> OversizeHandler:
+        """A message past ``key``'s size bound: the core counts it and answers if it can."""
+        limit = self.config.max_message_bytes(key)
+        socket = cast(SocketName, key)
+
+        def on_oversize(kept: list[bytes], total: int, frame_count: int) -> None:
+            self._feed(oversize_event(socket, kept, total, frame_count, limit))
+
+        return on_oversize
+
+    def _on_frontend_peer(self, user_id: str | None) -> None:
+        self._frontend_user_id = user_id
+
+    def _frontend_feeder(self, channel: Channel) -> FrameHandler:
+        """``frontend`` and ``admin``: the request with its channel and the peer's CURVE key
+        (``User-Id``, read by the socket's reader just before)."""
+        handle, clock, execute = self.core.handle, self.clock, self.execute
+
+        def on_frames(frames: list[bytes]) -> None:
+            user_id = self._frontend_user_id if channel == "frontend" else None
+            actions = handle(frontend_plane.decode(frames, channel, user_id), clock())
             if actions:
                 execute(actions)
 
@@ -365,7 +444,10 @@ class CoordinatorServer:
 
     def _handler_failed(self, socket_name: str, exc: BaseException) -> None:
         self.counters[f"internal_error.{socket_name}"] += 1
-        log.error("internal error while handling a %s message", socket_name, exc_info=exc)
+        # Rate limited: a bug that one kind of message triggers must not flood the log.
+        self._ratelog.log(logging.ERROR, f"internal:{socket_name}",
+                          "internal error while handling a %s message", socket_name,
+                          exc_info=exc)
 
     def _own_counters(self) -> Mapping[str, int]:
         counters = dict(self.counters)

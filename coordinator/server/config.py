@@ -6,7 +6,11 @@ from dataclasses import dataclass, field
 
 from coordinator.protocol.addresses import SOCKET_KEYS, check_bind_safety
 from coordinator.protocol.identity import MAX_RANK
-from coordinator.server.transport import DEFAULT_MAX_MESSAGE_BYTES
+from coordinator.server.transport import (
+    CONTROL_MAX_MESSAGE_BYTES,
+    DEFAULT_MAX_ENGINE_MESSAGE_BYTES,
+    DEFAULT_MAX_REQUEST_BYTES,
+)
 
 
 @dataclass
@@ -38,7 +42,10 @@ class ServerConfig:
     handshake_timeout_s: float = 1800.0
     """How long a rank may sit between HELLO and READY (vLLM loads its model there)."""
     policy: str = "least-loaded"
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    """Bound on one message on ``frontend``, all frames together (a submit's payload)."""
+    max_engine_message_bytes: int = DEFAULT_MAX_ENGINE_MESSAGE_BYTES
+    """Bound on one message on ``handshake``, ``dispatch`` and ``back_output``."""
     max_in_flight: int = 1_000_000
     max_frontends: int = 1024
     master_ip: str | None = None
@@ -65,8 +72,25 @@ class ServerConfig:
     recorder_size: int = 1000
     curve_secret_key: str | None = None
     curve_clients_dir: str | None = None
+    admin_keys_dir: str | None = None
+    """Public keys (*.key) of operators, whose CURVE connections to ``frontend`` may run
+    admin commands (they are allowed to connect like the client keys)."""
+    frontend_lease_ttl_s: float = 30.0
+    """A frontend registration not renewed by traffic or heartbeats for this long expires."""
+    min_engines: int = 0
+    """Fewest ranks SCALE_ELASTIC_EP may leave (0: --engines, a fixed size)."""
+    max_engines: int = 0
+    """Most ranks SCALE_ELASTIC_EP may ask for (0: --engines, a fixed size)."""
     insecure: bool = False
     """Allow a non-loopback TCP bind without CURVE keys."""
+
+    def max_message_bytes(self, key: str) -> int:
+        """The bound on one message (all frames) read on socket ``key``."""
+        if key == "frontend":
+            return self.max_request_bytes
+        if key in ("back_publish", "front_publish", "admin"):
+            return CONTROL_MAX_MESSAGE_BYTES
+        return self.max_engine_message_bytes
 
     def validate(self) -> None:
         """Raise ValueError with a message an operator can act on."""
@@ -106,11 +130,27 @@ class ServerConfig:
             )
         if self.lease_ttl_s <= 0:
             raise ValueError("--lease-ttl-s must be positive")
+        if self.frontend_lease_ttl_s <= 0:
+            raise ValueError("--frontend-lease-ttl-s must be positive")
         if (self.curve_secret_key is None) != (self.curve_clients_dir is None):
             raise ValueError(
                 "CURVE needs both --curve-secret-key and --curve-clients-dir (the allowed "
                 "client public keys)"
             )
+        for flag, value in (("--max-request-bytes", self.max_request_bytes),
+                            ("--max-engine-message-bytes", self.max_engine_message_bytes)):
+            if value < 1024:
+                raise ValueError(f"{flag} must be at least 1024, got {value}")
+        low, high = self.min_engines or self.engines, self.max_engines or self.engines
+        if not 1 <= low <= self.engines <= high:
+            raise ValueError(f"need 1 <= --min-engines ({low}) <= --engines ({self.engines}) "
+                             f"<= --max-engines ({high})")
+        if self.rank_start + high > MAX_RANK + 1:
+            raise ValueError(f"--max-engines {high} from rank {self.rank_start} does not fit in "
+                             f"a two-byte engine identity (0..{MAX_RANK})")
+        if self.admin_keys_dir is not None and self.curve_secret_key is None:
+            raise ValueError("--admin-keys-dir needs CURVE (--curve-secret-key and "
+                             "--curve-clients-dir): admin keys are CURVE client keys")
         if self.recorder_size < 1:
             raise ValueError(f"--recorder-size must be >= 1, got {self.recorder_size}")
         if self.watchdog_stall_s < 0:

@@ -56,7 +56,7 @@ class _KeyCheck:
         with self.lock:
             self.refused[REFUSED_UNKNOWN_KEY] = self.refused.get(REFUSED_UNKNOWN_KEY, 0) + 1
         self._ratelog.log(
-            logging.WARNING, f"curve:{key!r}",
+            logging.WARNING, "curve:unknown_key",
             "refused a CURVE client with public key %s: it is not in the allowed client key "
             "directory", key.decode("ascii", "replace"),
         )
@@ -78,13 +78,15 @@ class CurveServer:
         *,
         domain: str = DEFAULT_ZAP_DOMAIN,
         log_interval_s: float = 5.0,
+        admin_dir: str | None = None,
     ) -> None:
         self.context = context
         self.secret_key_file = secret_key_file
         self.clients_dir = clients_dir
+        self.admin_dir = admin_dir
         self.domain = domain
         self.public_key, self._secret_key = load_secret_key(secret_key_file)
-        allowed = load_client_keys(clients_dir)
+        allowed = self._load_allowed()
         if not allowed:
             raise ValueError(
                 f"no client public keys (*.key) in {clients_dir}: every engine and frontend "
@@ -138,8 +140,21 @@ class CurveServer:
 
     def reload_clients(self) -> int:
         """Re-read the client key directory (e.g. on SIGHUP); returns how many keys."""
-        self._check.allowed = load_client_keys(self.clients_dir)
+        self._check.allowed = self._load_allowed()
         return len(self._check.allowed)
+
+    def admin_keys(self) -> frozenset[str]:
+        """Operators' keys (Z85 text, as the ZAP handler names a peer's ``User-Id``)."""
+        if self.admin_dir is None:
+            return frozenset()
+        return frozenset(key.decode("ascii") for key in load_client_keys(self.admin_dir))
+
+    def _load_allowed(self) -> frozenset[bytes]:
+        # An operator's key is a client key too: it must be let in to be recognised.
+        allowed = load_client_keys(self.clients_dir)
+        if self.admin_dir is not None:
+            allowed |= load_client_keys(self.admin_dir)
+        return allowed
 
     def refusal_counts(self) -> dict[str, int]:
         """Refused CURVE clients by reason, since start (a copy; safe from any thread)."""

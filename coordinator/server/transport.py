@@ -22,10 +22,23 @@ import zmq
 
 from coordinator.protocol.addresses import is_ipv6_tcp, tcp_endpoint
 
-# Bounds on what any peer may send us; larger messages drop the connection.
-DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+MIB = 1024 * 1024
+# Bounds on one message, all its frames together (identity frames included), per
+# socket. A message past its socket's bound is dropped and counted; libzmq's own
+# per-frame bound (MAXMSGSIZE) is set to the same figure, so a single frame that
+# large costs its sender the connection before it is even buffered.
+DEFAULT_MAX_REQUEST_BYTES = 16 * MIB
+"""``frontend``: every message, a submit with its payload frames included."""
+DEFAULT_MAX_ENGINE_MESSAGE_BYTES = 1 * MIB
+"""``handshake``, ``dispatch``, ``back_output``: HELLO/READY, greetings, stats reports."""
+CONTROL_MAX_MESSAGE_BYTES = 64 * 1024
+"""Upstream of ``back_publish`` and ``front_publish`` (subscriptions, SCALE_ELASTIC_EP),
+and the operators' ``admin`` socket."""
 
 FrameHandler = Callable[[list[bytes]], None]
+OversizeHandler = Callable[[list[bytes], int, int], None]
+"""Called with the frames kept (those read before the bound was passed), the bytes and
+the frames the whole message had."""
 
 
 def make_endpoint(key: str, *, host: str | None, ipc_dir: str, port: int = 0) -> str:
@@ -96,7 +109,16 @@ class FrameReader:
     Whoever sends on a read socket must therefore call `poke()` afterwards.
 
     With `source`, each message's connection is given first: `source` gets the
-    file descriptor its last frame came on (`zmq.SRCFD`).
+    file descriptor its last frame came on (`zmq.SRCFD`; a ROUTER makes the identity
+    frame itself, so only the frames after it carry their connection).
+
+    ``on_peer``, when given, hears each message's ``User-Id`` (its connection's CURVE
+    key, set by the ZAP handler) just before the message is handled.
+
+    With ``max_message_bytes``, a message whose frames together pass the bound is
+    not delivered: the frames read before it passed are handed to ``on_oversize``
+    (a ROUTER's identity and a header, to answer with), the rest are taken off the
+    socket and released uncopied, and nothing of it stays referenced afterwards.
     """
 
     def __init__(
@@ -108,6 +130,9 @@ class FrameReader:
         on_error: Callable[[str, BaseException], None],
         batch: int = 128,
         source: Callable[[int], None] | None = None,
+        max_message_bytes: int | None = None,
+        on_oversize: OversizeHandler | None = None,
+        on_peer: Callable[[str | None], None] | None = None,
     ) -> None:
         self._sock = sock
         self._handler = handler
@@ -115,9 +140,14 @@ class FrameReader:
         self._on_error = on_error
         self._batch = batch
         self._source = source
+        self._max_message_bytes = max_message_bytes
+        self._on_oversize = on_oversize
+        self._on_peer = on_peer
+        self._last_fd = -1
         self._readable = asyncio.Event()
         self._fd = int(sock.getsockopt(zmq.FD))
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.oversize_dropped = 0
 
     def poke(self) -> None:
         """Make the reader look at the socket again (after a send on it elsewhere)."""
@@ -134,36 +164,91 @@ class FrameReader:
                 loop.remove_reader(self._fd)
 
     async def _pump(self) -> None:
+        # Messages are read and handled in `_read_batch`, so that no frame of the last
+        # message stays referenced from here while the reader waits.
         sock = self._sock
-        recv = sock.recv
-        handler, source = self._handler, self._source
         while True:
-            count = 0
-            while count < self._batch:
-                try:
-                    # copy=False gives the "more" flag with the frame, saving a
-                    # getsockopt(RCVMORE) per frame (the hot path's largest cost).
-                    frame = recv(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                frames = [frame.bytes]
-                while frame.more:  # a multipart message arrives whole
-                    frame = recv(copy=False)
-                    frames.append(frame.bytes)
-                count += 1
-                try:
-                    if source is not None:
-                        source(int(frame.get(zmq.SRCFD)))
-                    handler(frames)
-                except Exception as exc:  # a bug must not stop the socket
-                    self._on_error(self._name, exc)
-            if count == self._batch:
+            if self._read_batch() == self._batch:
                 await asyncio.sleep(0)
                 continue
             self._readable.clear()
             if int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 continue
             await self._readable.wait()
+
+    def _read_batch(self) -> int:
+        """Read and handle up to a batch of messages; returns how many were read."""
+        recv = self._sock.recv
+        handler, source = self._handler, self._source
+        limit = self._max_message_bytes
+        count = 0
+        while count < self._batch:
+            try:
+                # copy=False gives the "more" flag with the frame, saving a
+                # getsockopt(RCVMORE) per frame (the hot path's largest cost).
+                frame = recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            count += 1
+            if self._on_peer is not None:
+                self._on_peer(peer_user_id(frame))
+            if frame.more or (limit is not None and len(frame) > limit):
+                frames = self._read_multipart(frame, limit)
+                if frames is None:
+                    continue
+                fd = self._last_fd
+            else:
+                frames = [frame.bytes]
+                fd = int(frame.get(zmq.SRCFD)) if source is not None else -1
+            try:
+                if source is not None:
+                    source(fd)
+                handler(frames)
+            except Exception as exc:  # a bug must not stop the socket
+                self._on_error(self._name, exc)
+        return count
+
+    def _read_multipart(self, first: zmq.Frame, limit: int | None) -> list[bytes] | None:
+        """The rest of a message (a multipart message arrives whole), or None when it
+        passed ``limit``: from then on its frames are taken off the socket and released
+        without being copied, and ``on_oversize`` hears of it."""
+        recv = self._sock.recv
+        frame = first
+        total = len(frame)
+        seen = 1
+        over = limit is not None and total > limit
+        frames: list[bytes] = [] if over else [frame.bytes]
+        while frame.more:
+            frame = recv(copy=False)
+            seen += 1
+            total += len(frame)
+            if over:
+                continue
+            if limit is not None and total > limit:
+                over = True
+                continue
+            frames.append(frame.bytes)
+        if self._source is not None:
+            self._last_fd = int(frame.get(zmq.SRCFD))
+        del frame, first
+        if not over:
+            return frames
+        self.oversize_dropped += 1
+        if self._on_oversize is not None:
+            try:
+                self._on_oversize(frames, total, seen)
+            except Exception as exc:
+                self._on_error(self._name, exc)
+        return None
+
+
+def peer_user_id(frame: zmq.Frame) -> str | None:
+    """The ``User-Id`` the ZAP handler gave the frame's connection (a CURVE key), if any."""
+    try:
+        value = frame.get("User-Id")
+    except zmq.ZMQError:
+        return None
+    return value if isinstance(value, str) and value else None
 
 
 @dataclass
@@ -177,7 +262,8 @@ class RateLimitedLog:
     _suppressed: dict[str, int] = field(default_factory=dict)
     max_keys: int = 4096
 
-    def log(self, level: int, key: str, message: str, *args: object) -> None:
+    def log(self, level: int, key: str, message: str, *args: object,
+            exc_info: BaseException | None = None) -> None:
         now = self.clock()
         last = self._last.get(key)
         if last is not None and now - last < self.interval_s:
@@ -192,4 +278,4 @@ class RateLimitedLog:
         if suppressed:
             message += " (%d similar messages suppressed)"
             args = (*args, suppressed)
-        self.logger.log(level, message, *args)
+        self.logger.log(level, message, *args, exc_info=exc_info)

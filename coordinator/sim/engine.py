@@ -58,6 +58,10 @@ class SimConfig:
     lockstep: bool = True
     #: False: send no load stats (vLLM engines in external-LB mode).
     publish_stats: bool = True
+    #: While stepping with unchanged counts, report stats (with the step counter) at most
+    #: this often: progress the coordinator's hang watchdog can see. None: only on
+    #: changes, as vLLM 0.33 does.
+    progress_report_s: float | None = 0.5
     # The KV cache and the cost of a prefill.
     block_size: int = 16
     #: KV cache capacity in blocks (vLLM's num_gpu_blocks, less its null block).
@@ -201,6 +205,7 @@ class SimEngine:
         self.counters = SimCounters()
 
         self._last_counts = (0, 0)
+        self._last_report = (0.0, 0, 0)  # (monotonic time, wave, step) of the last stats
         self._seq = 0
         self._unfrozen = asyncio.Event()
         self._unfrozen.set()
@@ -514,11 +519,16 @@ class SimEngine:
         if not (self.config.publish_stats and self.agent.has_coordinator):
             return
         counts = (self.num_running, self.num_waiting)
-        if counts == self._last_counts:
-            return
-        self._last_counts = counts
-        kv = self.scheduler.kv_cache_usage
         lockstep = self.config.lockstep
+        if counts == self._last_counts:
+            every = self.config.progress_report_s
+            at, wave, step = self._last_report
+            if not lockstep or every is None or (wave, step) == (
+                    self.current_wave, self.step_counter) or time.monotonic() - at < every:
+                return
+        self._last_counts = counts
+        self._last_report = (time.monotonic(), self.current_wave, self.step_counter)
+        kv = self.scheduler.kv_cache_usage
         self.agent.send_stats(
             waiting=counts[1],
             running=counts[0],

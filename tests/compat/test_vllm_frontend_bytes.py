@@ -138,7 +138,8 @@ def test_upstream_messages_of_a_vllm_front_end(
     coordinator: CoordinatorFactory, zmq_ctx: Ctx
 ) -> None:
     """Subscribe/unsubscribe frames, SCALE_ELASTIC_EP, and 0.33's ignored legacy wake."""
-    handle = coordinator(2, extra_args=["--heartbeat-s", "0.5"])
+    # Resizing is allowed within --min-engines..--max-engines (by default, not at all).
+    handle = coordinator(2, extra_args=["--heartbeat-s", "0.5", "--max-engines", "3"])
     engines = open_gate(zmq_ctx, handle.addresses, 2)
     front = RawFrontend(zmq_ctx, handle.addresses)
     front.subscribe_publishes()

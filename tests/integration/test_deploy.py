@@ -217,6 +217,9 @@ def test_the_units_command_serves_and_stops_on_sigterm(
     coordinator = Served(argv, tmp_path / "addresses.json")
     served.append(coordinator)
     base = int(flag_value(argv, "--port-base"))
+    # The six sockets on --port-base, and the operators' owner-only ipc socket.
+    admin = coordinator.addresses.pop("admin")
+    assert admin.startswith("ipc://") and admin.endswith("/admin")
     assert coordinator.addresses == {key: f"tcp://127.0.0.1:{base + index}"
                                      for index, key in enumerate(SOCKET_KEYS)}
     metrics = f"http://127.0.0.1:{flag_value(argv, '--metrics-port')}"

@@ -4,7 +4,8 @@
 package (another msgpack implementation than the coordinator's), message
 shapes and tags as the document lists them, its sockets as its *Sockets*
 table says (DEALER to `frontend`, SUB on `front_publish`, a bound PULL for
-engine outputs), the SimRequest payload as *Frames and encoding* describes
+engine outputs; for the operator's commands a DEALER to `admin`), the
+SimRequest payload as *Frames and encoding* describes
 it. The engines are a simulated group in their own process
 (`python -m coordinator.sim group`), so they can be killed for `failed`.
 
@@ -44,6 +45,9 @@ class DocClient:
         self.dealer = ctx.socket(zmq.DEALER)
         self.dealer.setsockopt(zmq.LINGER, 0)
         self.dealer.connect(addresses["frontend"])
+        self.operator = ctx.socket(zmq.DEALER)
+        self.operator.setsockopt(zmq.LINGER, 0)
+        self.operator.connect(addresses["admin"])
         self.sub = ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.LINGER, 0)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")  # a SUB sends b"\x01" for this
@@ -67,6 +71,15 @@ class DocClient:
         self.send([tag, call_id, *fields], *payload)
         return self.answer(call_id)
 
+    def admin(self, command: str, rank: int) -> list[Any]:
+        """On the owner-only `admin` socket, as *admin* says operators must."""
+        call_id = next(self.call_ids)
+        self.operator.send(msgpack.packb(["admin", call_id, command, rank]))
+        assert self.operator.poll(int(STEP * 1000)), "no answer on the admin socket"
+        reply = msgpack.unpackb(self.operator.recv(), raw=False)
+        assert reply[1] == call_id
+        return reply
+
     # -- receiving: replies by call id; notices (no call id) are kept aside
 
     def receive(self, timeout: float = STEP) -> list[Any]:
@@ -79,7 +92,7 @@ class DocClient:
         deadline = time.monotonic() + timeout
         while True:
             message = self.receive(max(0.0, deadline - time.monotonic()))
-            if message[0] in ("failed", "drained", "shutdown"):
+            if message[0] in ("failed", "drained", "shutdown", "rank_lost"):
                 self.notices.append(message)
             elif message[1] == call_id:
                 return message
@@ -201,11 +214,13 @@ def test_a_client_written_from_the_document(
         assert client.call("abort", ["long"])[2] == []
 
         # Drain a rank with nothing in flight: admin_done, then `drained`.
-        done = client.call("admin", "drain", 1)
+        # From the frontend connection it is refused: changing membership is an operator's.
+        assert client.call("admin", "drain", 1)[2] == "not_authorized"
+        done = client.admin("drain", 1)
         assert done[0] == "admin_done" and done[2:] == [1, "draining"]
         assert client.notice("drained") == ["drained", 1]
         assert client.submit("to-drained", 10, dp_rank=1)[2] == "rank_not_ready"
-        assert client.call("admin", "uncordon", 1)[2:] == [1, "ready"]
+        assert client.admin("uncordon", 1)[2:] == [1, "ready"]
 
         # `failed`: the engines die with a request in flight.
         submitted = client.submit("doomed", 1_000_000)
@@ -217,6 +232,8 @@ def test_a_client_written_from_the_document(
         failed = client.notice("failed", timeout=LEASE_TTL_S + 3.0)
         assert failed[1] == ["doomed"] and failed[2] == submitted[3]
         assert isinstance(failed[3], str) and failed[3]
+        # Then every registered frontend hears that the rank was lost.
+        assert client.notice("rank_lost")[1:] == failed[2:]
         assert time.monotonic() - killed_at < LEASE_TTL_S / 3 + 1.0 + 1.0
     finally:
         if engines.poll() is None:

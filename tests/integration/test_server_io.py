@@ -157,6 +157,8 @@ def test_a_failed_probe_kills_the_rank_and_fails_its_requests_to_their_frontend(
     notice = rig.reply()
     assert isinstance(notice, fp.RequestsFailed)
     assert notice.request_ids == ["on-0"] and notice.rank == 0
+    lost = rig.reply()  # then every registered frontend hears of the rank
+    assert isinstance(lost, fp.RankLost) and lost.rank == 0
     state = rig.state()
     assert [engine.state for engine in state.engines] == ["dead", "ready"]
 

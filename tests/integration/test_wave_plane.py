@@ -425,7 +425,8 @@ def test_bad_reports_are_dropped_counted_and_change_nothing(
 def test_scale_elastic_ep_grows_and_shrinks_the_table(
     coordinator: CoordinatorFactory, zmq_ctx: Ctx
 ) -> None:
-    plane = make_plane(coordinator, zmq_ctx, 2)
+    plane = make_plane(coordinator, zmq_ctx, 2,
+                       extra_args=["--min-engines", "1", "--max-engines", "6"])
     assert scale_elastic_ep(6) == b"\x92\xb0SCALE_ELASTIC_EP\x06"  # spec appendix A
     plane.report(0, engine_outputs(0, start_wave=1))
     plane.expect_wave_publish(1, True)

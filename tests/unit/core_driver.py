@@ -59,6 +59,9 @@ PARALLEL: dict[str, int | str | list[int]] = {
 }
 
 
+OPERATOR = b"\x00operator"
+
+
 def frontend_identity(index: int) -> bytes:
     return b"\x00fe-" + bytes([index])
 
@@ -228,6 +231,14 @@ class Driver:
         self.feed(FrontendRequestReceived(identity, message, list(payload)))
         return [fp.decode_reply(frames[0]) for socket, ident, frames in self.sends[before:]
                 if socket == "frontend" and ident == identity]
+
+    def operator(self, message: fp.FrontendRequest,
+                 identity: bytes = OPERATOR) -> list[fp.FrontendReply]:
+        """A request on the operators' owner-only ``admin`` socket; the replies it caused."""
+        before = len(self.sends)
+        self.feed(FrontendRequestReceived(identity, message, [], "admin"))
+        return [fp.decode_reply(frames[0]) for socket, ident, frames in self.sends[before:]
+                if socket == "admin" and ident == identity]
 
     def call_id(self) -> int:
         self._calls += 1

@@ -113,7 +113,7 @@ def test_explicit_dp_rank_refusals(rank: int, code: str, text: str) -> None:
     driver.join(1)  # rank 2 never registers
     driver.subscribe(3)
     driver.register(0)
-    driver.request(F0, fp.Admin(driver.call_id(), "cordon", 1))
+    driver.operator(fp.Admin(driver.call_id(), "cordon", 1))
     reply = driver.submit("r", rank=rank)
     assert isinstance(reply, fp.ErrorReply)
     assert (reply.code, reply.message) == (code, text)
@@ -201,8 +201,8 @@ def test_max_frontends_refuses_new_indices_but_not_known_ones() -> None:
     driver.register(1)
     refused = driver.register(2)
     assert isinstance(refused, fp.ErrorReply)
-    assert (refused.code, refused.message) == (fp.ERR_BAD_CLIENT_INDEX,
-                                               "too many frontends registered")
+    assert (refused.code, refused.message) == (
+        fp.ERR_BAD_CLIENT_INDEX, "client_index 2 is outside 0..1 (at most 2 frontends)")
     assert isinstance(driver.register(1), fp.Registered)
     assert len(driver.core.frontends) == 2
 
@@ -311,7 +311,7 @@ def test_drain_notice_comes_when_the_last_request_finishes() -> None:
     first = driver.submit("a")
     assert isinstance(first, fp.Submitted)
     rank = first.rank
-    (done,) = driver.request(F0, fp.Admin(driver.call_id(), "drain", rank))
+    (done,) = driver.operator(fp.Admin(driver.call_id(), "drain", rank))
     assert isinstance(done, fp.AdminDone) and done.state == "draining"
     assert fp.RankDrained(rank) not in driver.replies(F1)
     assert driver.submit("b", rank=rank).code == fp.ERR_RANK_NOT_READY  # type: ignore[union-attr]
@@ -322,13 +322,13 @@ def test_drain_notice_comes_when_the_last_request_finishes() -> None:
 
 def test_draining_an_idle_rank_is_announced_at_once() -> None:
     driver = group()
-    driver.request(F0, fp.Admin(driver.call_id(), "drain", 1))
+    driver.operator(fp.Admin(driver.call_id(), "drain", 1))
     assert fp.RankDrained(1) in driver.replies(F0)
 
 
 def test_refused_admin_command_changes_nothing() -> None:
     driver = group()
-    (reply,) = driver.request(F0, fp.Admin(driver.call_id(), "uncordon", 0))
+    (reply,) = driver.operator(fp.Admin(driver.call_id(), "uncordon", 0))
     assert isinstance(reply, fp.ErrorReply) and reply.code == fp.ERR_ADMIN_REFUSED
     assert driver.core.membership.dispatchable() == [0, 1]
 
@@ -477,7 +477,7 @@ def test_legacy_first_requests_are_honoured_only_in_legacy_mode() -> None:
 
 
 def test_resize_shrinks_and_grows_the_group_without_touching_the_settings() -> None:
-    driver = group(engines=3)
+    driver = group(engines=3, min_engines=1, max_engines=4)
     driver.submit("on-2", rank=2)
     driver.feed(vllm.ScaleElasticEP(2))
     core = driver.core

@@ -36,7 +36,6 @@ from hypothesis.stateful import (
 )
 
 from coordinator.core import liveness
-from coordinator.core.events import TICK
 from coordinator.core.membership import RankState
 from coordinator.protocol import frontend as fp
 from coordinator.protocol import vllm
@@ -44,6 +43,7 @@ from coordinator.protocol.identity import rank_to_identity
 from tests.unit.core_driver import Driver
 
 TTL = 3.0
+FRONTEND_TTL = 6.0  # short enough that runs see registrations expire
 REWAKE = 1.0
 MAX_IN_FLIGHT = 4
 MAX_FRONTENDS = 3
@@ -97,7 +97,7 @@ class CoreGroup(RuleBasedStateMachine):
         self.driver = Driver.start(
             engines=engines, frontends=expected, max_frontends=MAX_FRONTENDS,
             max_in_flight=MAX_IN_FLIGHT, lease_ttl_s=TTL, rewake_after_s=REWAKE,
-            watchdog_stall_s=0.0, persist=True, seed=seed,
+            watchdog_stall_s=0.0, persist=True, seed=seed, frontend_lease_ttl_s=FRONTEND_TTL,
         )
         self.engines = {rank: Engine(rank, 0, f"e{rank}.0") for rank in range(engines)}
         self.frontend_connections: dict[int, bytes] = {}
@@ -384,9 +384,41 @@ class CoreGroup(RuleBasedStateMachine):
     @rule(command=st.sampled_from(["cordon", "uncordon", "drain"]), data=st.data())
     def operator_command(self, command: str, data: st.DataObject) -> None:
         rank = data.draw(st.integers(0, self.ranks - 1))
-        self.driver.request(b"\x00admin", fp.Admin(self.driver.call_id(), command, rank))
+        self.driver.operator(fp.Admin(self.driver.call_id(), command, rank))
 
     # ---- time ------------------------------------------------------------------------------
+
+    @rule(data=st.data())
+    def frontend_heartbeats(self, data: st.DataObject) -> None:
+        registered = [peer.client_index for peer in self.core.frontends.peers()]
+        if not registered:
+            return
+        index = data.draw(st.sampled_from(registered))
+        identity = self.core.frontends.get(index).identity  # type: ignore[union-attr]
+        (reply,) = self.driver.request(identity, fp.Heartbeat(self.driver.call_id(), index))
+        assert isinstance(reply, fp.Alive)
+
+    @rule(command=st.sampled_from(["cordon", "uncordon", "drain"]), data=st.data())
+    def frontend_tries_an_admin_command(self, command: str, data: st.DataObject) -> None:
+        # Changing membership is an operator's: from a frontend connection, nothing changes.
+        rank = data.draw(st.integers(0, self.ranks - 1))
+        before = [(lease.rank, lease.state) for lease in self.core.membership.leases()]
+        replies = self.driver.request(self.connection(0), fp.Admin(self.driver.call_id(),
+                                                                   command, rank))  # type: ignore[arg-type]
+        assert [r.code for r in replies if isinstance(r, fp.ErrorReply)] == [
+            fp.ERR_NOT_AUTHORIZED]
+        assert [(lease.rank, lease.state) for lease in self.core.membership.leases()] == before
+
+    def tick(self, now: float) -> None:
+        """The timer; a frontend registration it expired takes its requests with it."""
+        before = {peer.client_index for peer in self.core.frontends.peers()}
+        self.driver.tick(now)
+        gone = before - {peer.client_index for peer in self.core.frontends.peers()}
+        if gone:
+            event("a frontend registration expired")
+        for request in self.requests.values():
+            if request.frontend in gone:
+                request.ended = True
 
     @rule(step=st.sampled_from([0.0, 0.1, 0.3, 1.1, 2.5, 3.5]))
     def time_passes(self, step: float) -> None:
@@ -394,9 +426,9 @@ class CoreGroup(RuleBasedStateMachine):
         # what was sent is stamped with when it was sent.
         target = self.driver.now + step
         while self.core.next_deadline() < target:
-            self.driver.feed(TICK, max(self.driver.now, self.core.next_deadline()))
+            self.tick(max(self.driver.now, self.core.next_deadline()))
             self.check_new_output()
-        self.driver.feed(TICK, target)
+        self.tick(target)
 
     @rule()
     def a_dead_rank_whose_engine_lives_comes_back(self) -> None:
@@ -430,7 +462,7 @@ class CoreGroup(RuleBasedStateMachine):
     @precondition(lambda self: self.core.next_deadline() < float("inf"))
     @rule()
     def timer_fires(self) -> None:
-        self.driver.tick(max(self.driver.now, self.core.next_deadline()))
+        self.tick(max(self.driver.now, self.core.next_deadline()))
 
     # ---- invariants ------------------------------------------------------------------------
 
@@ -479,6 +511,10 @@ class CoreGroup(RuleBasedStateMachine):
             per_rank[request.rank] = per_rank.get(request.rank, 0) + 1
         assert len(core.requests) == len(open_requests)
         assert core.requests.per_rank() == per_rank
+
+    @invariant()
+    def registrations_are_bounded(self) -> None:
+        assert len(self.core.frontends) <= max(self.expected, MAX_FRONTENDS)
 
     @invariant()
     def nothing_in_flight_on_a_dead_rank(self) -> None:

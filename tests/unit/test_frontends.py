@@ -19,7 +19,7 @@ A, B = b"\x00conn-a", b"\x00conn-b"
 def verdict(**overrides: object) -> RegisterVerdict:
     args: dict[str, object] = {
         "client_index": 0, "identity": A, "output_address": "ipc:///o", "previous": None,
-        "registered": 0, "expected": 0, "max_frontends": 8, "inits_sent": False,
+        "expected": 0, "max_frontends": 8, "inits_sent": False, "pinned": None,
     }
     args.update(overrides)
     return register_verdict(**args)  # type: ignore[arg-type]
@@ -32,18 +32,19 @@ PEER = FrontendPeer(A, 0, "ipc:///o", None)
     ("overrides", "expected"),
     [
         ({"client_index": 2, "expected": 2}, RegisterVerdict.OUT_OF_RANGE),
-        # The index bound comes first, even for a full registry.
-        ({"client_index": 5, "expected": 2, "registered": 9}, RegisterVerdict.OUT_OF_RANGE),
-        ({"registered": 8}, RegisterVerdict.FULL),
-        # With K above max_frontends, K frontends still fit.
-        ({"registered": 8, "expected": 10, "client_index": 8}, RegisterVerdict.NEW),
-        ({"registered": 10, "expected": 10, "client_index": 9}, RegisterVerdict.FULL),
+        # Without K the limit is max_frontends; with K above it, K frontends still fit.
+        ({"client_index": 8}, RegisterVerdict.OUT_OF_RANGE),
+        ({"expected": 10, "client_index": 9}, RegisterVerdict.NEW),
+        # An index an INIT carried keeps its address, registered or not.
+        ({"pinned": "ipc:///other"}, RegisterVerdict.PINNED),
+        ({"pinned": "ipc:///o"}, RegisterVerdict.NEW),
+        ({"client_index": 8, "pinned": "ipc:///other"}, RegisterVerdict.OUT_OF_RANGE),
         ({"previous": PEER, "output_address": "ipc:///moved", "inits_sent": True},
          RegisterVerdict.PINNED),
         # Before any INIT went out the address may still move.
         ({"previous": PEER, "output_address": "ipc:///moved"}, RegisterVerdict.RENEWED),
         ({"previous": PEER, "identity": B, "inits_sent": True}, RegisterVerdict.MOVED),
-        ({"previous": PEER, "registered": 8}, RegisterVerdict.RENEWED),
+        ({"previous": PEER, "pinned": "ipc:///o"}, RegisterVerdict.RENEWED),
         ({}, RegisterVerdict.NEW),
     ],
 )
@@ -81,7 +82,8 @@ def test_a_refused_registration_changes_nothing_and_says_why() -> None:
     assert registry.register(0, A, "ipc:///o", None).verdict is RegisterVerdict.NEW
     registry.inits_sent = True
     full = registry.register(1, B, "ipc:///p", None)
-    assert full.verdict is RegisterVerdict.FULL and full.refusal == "too many frontends registered"
+    assert full.verdict is RegisterVerdict.OUT_OF_RANGE
+    assert full.refusal == "client_index 1 is outside 0..0 (at most 1 frontends)"
     pinned = registry.register(0, B, "ipc:///elsewhere", None)
     assert pinned.verdict is RegisterVerdict.PINNED
     assert pinned.refusal is not None and "ipc:///o, which engines already use" in pinned.refusal

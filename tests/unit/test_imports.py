@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parents[2] / PACKAGE
 SDKS = ("coordinator.engine", "coordinator.frontend", "coordinator.loadgen",
         "coordinator.launch", "coordinator.sim")
 # What the flat top level may hold: public SDKs, launch and vLLM modules, plumbing.
-TOP_LEVEL = {"__init__", "__main__", "_zmq", "engine", "frontend", "loadgen", "launch",
-             "vllm_compat", "vllm_plugin"}
+TOP_LEVEL = {"__init__", "__main__", "_zmq", "engine", "frontend", "frontend_support", "loadgen",
+             "launch", "vllm_compat", "vllm_plugin"}
 MAX_MODULE_LINES = 800
 MAX_SERVER_MODULE_LINES = 500
 

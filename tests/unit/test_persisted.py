@@ -47,3 +47,12 @@ def test_encoding_is_byte_identical_to_the_golden_file() -> None:
 
 def test_the_golden_file_decodes_to_the_same_state() -> None:
     assert msgspec.json.decode(GOLDEN, type=SavedState) == STATE
+
+
+def test_pinned_output_addresses_are_an_optional_field_of_version_one() -> None:
+    # Written only when there are pins; older files and older readers are unaffected.
+    with_pins = msgspec.structs.replace(STATE, pinned={0: "ipc:///o0", 3: "ipc:///gone"})
+    raw = msgspec.json.encode(with_pins)
+    assert raw == GOLDEN[:-1] + b',"pinned":{"0":"ipc:///o0","3":"ipc:///gone"}}'
+    assert msgspec.json.decode(raw, type=SavedState) == with_pins
+    assert msgspec.json.decode(GOLDEN, type=SavedState).pinned is None
