@@ -10,35 +10,41 @@ can tell cheaply, without decoding the statistics, what a frame is:
   Python: a few byte lookups. It answers only for the shape vLLM writes (a
   msgpack fixarray whose first element is a non-negative int of at most two
   bytes); anything else gives -1 and is simply decoded in full.
-* `is_stats_only` decodes the envelope with msgspec, skipping the statistics
-  map without building it, and says whether the frame is a stats report and
-  nothing else: the given engine index, no request outputs, no utility
-  result, no `wave_complete`, no `start_wave`, and a statistics map.
+* `stats_only_wave` decodes the envelope with msgspec, skipping the
+  statistics map without building it (only its `current_wave` is read), and
+  says whether the frame is a stats report and nothing else: the given
+  engine index, no request outputs, no utility result, no `wave_complete`,
+  no `start_wave`, and a statistics map. It returns that map's
+  `current_wave` (which a reader needs, since a report naming a wave newer
+  than the coordinator's moves the coordinator's wave), or -1.
 
 Both are conservative: whenever `decode_engine_report` accepts a frame,
-`peek_engine_index` gives its engine index or -1, and `is_stats_only` is true
-only if the report has statistics, no wave field and passes
-`check_coordinator_traffic`. A frame they cannot vouch for is decoded in full,
-as it would have been without them (tests/unit/test_report_peek.py checks
-both promises against the full decoder with hypothesis). Neither looks inside
-the statistics, so a report whose statistics are malformed is still "stats
-only" here; that is what a skipping reader has to say about the ones it skips.
+`peek_engine_index` gives its engine index or -1, and `stats_only_wave` is
+not -1 only if the report has statistics naming that wave, no wave field,
+and passes `check_coordinator_traffic`. A frame they cannot vouch for is
+decoded in full, as it would have been without them
+(tests/unit/test_report_peek.py checks both promises against the full
+decoder with hypothesis). Neither looks at the rest of the statistics, so a
+report whose other statistics are malformed is still "stats only" here; that
+is what a skipping reader has to say about the ones it skips.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from coordinator.protocol.vllm import BufferLike
+from coordinator.protocol.vllm import BufferLike, Wave
 
-__all__ = ["is_stats_only", "peek_engine_index"]
+__all__ = ["peek_engine_index", "stats_only_wave"]
 
 _EMPTY_ARRAY = msgspec.Raw(b"\x90")
 _NIL = msgspec.Raw(b"\xc0")
 
 
-class _AnyMap(msgspec.Struct, gc=False):
-    """Any msgpack map with string keys; every value is skipped, nothing is kept."""
+class _StatsWave(msgspec.Struct, gc=False):
+    """A statistics map with string keys: its ``current_wave``; every other value is skipped."""
+
+    current_wave: Wave = 0
 
 
 class _Envelope(msgspec.Struct, array_like=True, gc=False):
@@ -46,7 +52,7 @@ class _Envelope(msgspec.Struct, array_like=True, gc=False):
     # extra trailing elements are ignored as they are there.
     engine_index: int = 0
     outputs: msgspec.Raw = _EMPTY_ARRAY
-    scheduler_stats: _AnyMap | None = None
+    scheduler_stats: _StatsWave | None = None
     timestamp: msgspec.Raw = _NIL
     utility_output: msgspec.Raw = _NIL
     finished_requests: msgspec.Raw = _NIL
@@ -71,17 +77,20 @@ def peek_engine_index(buf: bytes) -> int:
     return -1
 
 
-def is_stats_only(buf: BufferLike, engine_index: int) -> bool:
-    """True if `buf` is a stats report of `engine_index` with no wave field and nothing else."""
+def stats_only_wave(buf: BufferLike, engine_index: int) -> int:
+    """The reported wave if `buf` is a stats report of `engine_index` and nothing else, else -1."""
     try:
         envelope = _envelope_decoder.decode(buf)
     except (msgspec.DecodeError, RecursionError):
-        return False
-    return (
-        envelope.engine_index == engine_index
-        and envelope.scheduler_stats is not None
-        and envelope.outputs == _EMPTY_ARRAY
-        and envelope.utility_output == _NIL
-        and envelope.wave_complete == _NIL
-        and envelope.start_wave == _NIL
-    )
+        return -1
+    stats = envelope.scheduler_stats
+    if (
+        stats is None
+        or envelope.engine_index != engine_index
+        or envelope.outputs != _EMPTY_ARRAY
+        or envelope.utility_output != _NIL
+        or envelope.wave_complete != _NIL
+        or envelope.start_wave != _NIL
+    ):
+        return -1
+    return stats.current_wave

@@ -1,9 +1,10 @@
 """The cheap looks at engine reports agree with the full decoder (report_peek).
 
 The promises a batched reader relies on: `peek_engine_index` never names an
-engine index other than the one the full decoder reads, and `is_stats_only`
-is never true for a frame the full decoder reads as a wave message, a message
-without statistics, or coordinator-bound traffic it refuses. Both are checked
+engine index other than the one the full decoder reads, and `stats_only_wave`
+vouches for no frame the full decoder reads as a wave message, a message
+without statistics, or coordinator-bound traffic it refuses, and gives the
+wave the full decoder reads in the statistics. Both are checked
 on generated `EngineCoreOutputs` arrays (valid and invalid values in every
 position, short and long arrays) and on random mutations of real frames.
 """
@@ -18,7 +19,7 @@ from hypothesis import strategies as st
 
 from coordinator.core.events import BadFrame
 from coordinator.protocol import vllm
-from coordinator.protocol.report_peek import is_stats_only, peek_engine_index
+from coordinator.protocol.report_peek import peek_engine_index, stats_only_wave
 from coordinator.server.planes.back_output import decode_frame
 from tests.vllm_peers import engine_outputs, scheduler_stats, stats_report
 
@@ -81,7 +82,8 @@ def check_promises(buf: bytes) -> None:
     if isinstance(event, vllm.EngineReport):
         assert peeked in (-1, event.engine_index)
     for index in {peeked, 0, 1, 255, 256, 65535}:
-        if not is_stats_only(buf, index):
+        wave = stats_only_wave(buf, index)
+        if wave < 0:
             continue
         if isinstance(event, BadFrame):
             # Only malformed statistics (which the envelope skips) may get here.
@@ -89,6 +91,7 @@ def check_promises(buf: bytes) -> None:
             continue
         assert event.engine_index == index
         assert event.scheduler_stats is not None
+        assert event.scheduler_stats.current_wave == wave
         assert event.wave_complete is None and event.start_wave is None
 
 
@@ -106,16 +109,19 @@ def test_peeks_never_contradict_the_full_decoder_on_random_bytes(buf: bytes) -> 
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.integers(0, 65535), st.integers(0, 10**6), st.integers(0, 2**31))
-def test_vllm_stats_reports_are_recognised(rank: int, waiting: int, step: int) -> None:
+@given(st.integers(0, 65535), st.integers(0, 10**6), st.integers(0, 2**31),
+       st.integers(0, 2**32 - 1))
+def test_vllm_stats_reports_are_recognised(rank: int, waiting: int, step: int,
+                                           wave: int) -> None:
     """The shape vLLM sends is the one the peeks answer for, so a batch can skip it."""
     buf = vllm.encode_engine_outputs(vllm.EngineCoreOutputs(
         engine_index=rank, scheduler_stats=vllm.SchedulerStats(
-            num_waiting_reqs=waiting, step_counter=step, kv_cache_usage=0.5), timestamp=1.5))
+            num_waiting_reqs=waiting, step_counter=step, current_wave=wave,
+            kv_cache_usage=0.5), timestamp=1.5))
     assert peek_engine_index(buf) == rank
-    assert is_stats_only(buf, rank)
-    assert not is_stats_only(buf, (rank + 1) % 65536)
-    assert stats_report(rank, waiting=3) and is_stats_only(stats_report(rank, waiting=3), rank)
+    assert stats_only_wave(buf, rank) == wave
+    assert stats_only_wave(buf, (rank + 1) % 65536) == -1
+    assert stats_only_wave(stats_report(rank, waiting=3, wave=7), rank) == 7
 
 
 @settings(max_examples=200, deadline=None)
@@ -126,15 +132,18 @@ def test_wave_messages_are_never_stats_only(rank: int, wave: int, complete: bool
     fields: dict[str, Any] = {"wave_complete": wave} if complete else {"start_wave": wave}
     buf = engine_outputs(rank, stats=stats, **fields)
     assert peek_engine_index(buf) == rank
-    assert not is_stats_only(buf, rank)
+    assert stats_only_wave(buf, rank) == -1
 
 
 def test_what_is_not_stats_only() -> None:
-    assert not is_stats_only(engine_outputs(3), 3)  # no statistics
-    assert not is_stats_only(engine_outputs(3, stats=scheduler_stats(), outputs=[["r", []]]), 3)
-    assert not is_stats_only(engine_outputs(3, stats=scheduler_stats(), utility_output=[1]), 3)
-    assert not is_stats_only(b"\x93\x03\x90", 3)
-    assert not is_stats_only(b"", 3)
+    assert stats_only_wave(engine_outputs(3), 3) == -1  # no statistics
+    assert stats_only_wave(engine_outputs(3, stats=scheduler_stats(), outputs=[["r", []]]), 3) < 0
+    assert stats_only_wave(engine_outputs(3, stats=scheduler_stats(), utility_output=[1]), 3) < 0
+    assert stats_only_wave(engine_outputs(3, stats={"current_wave": -1}), 3) == -1
+    assert stats_only_wave(engine_outputs(3, stats={"current_wave": 2**32}), 3) == -1
+    assert stats_only_wave(engine_outputs(3, stats={"current_wave": 5}), 3) == 5
+    assert stats_only_wave(b"\x93\x03\x90", 3) == -1
+    assert stats_only_wave(b"", 3) == -1
     assert peek_engine_index(b"") == -1
     assert peek_engine_index(b"\x90\x00\x00") == -1  # empty array
     assert peek_engine_index(b"\x99\xcd\x01") == -1  # cut short
