@@ -129,6 +129,7 @@ class CoreContext:
         self._hellos_probing: dict[int, HandshakeReceived] = {}
         # Hot counters as plain ints, merged into counter_values().
         self._stats_reports = 0
+        self._stats_superseded = 0
         self._dispatched = 0
         # Actions of the event being handled, and what to append once at its end.
         self._out: list[Action] = []
@@ -145,6 +146,8 @@ class CoreContext:
         counters = dict(self.counters)
         if self._stats_reports:
             counters["stats.reports"] = self._stats_reports
+        if self._stats_superseded:
+            counters["stats.superseded"] = self._stats_superseded
         if self._dispatched:
             counters["submit.dispatched"] = self._dispatched
         if self.extra_counters is not None:

@@ -60,6 +60,7 @@ from coordinator.server.meeting_point import build_parallel_config
 from coordinator.server.observe import ObservedPusher, ObservedState
 from coordinator.server.planes import DECODERS, Decoder
 from coordinator.server.statefile import load_state, save_state
+from coordinator.server.stats_reader import StatsReader
 from coordinator.server.timers import CoreTimer
 from coordinator.server.transport import (
     FrameHandler,
@@ -106,7 +107,7 @@ class CoordinatorServer:
         self._owns_ipc_dir = False
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._sockets: dict[str, zmq.Socket[bytes]] = {}
-        self._readers: dict[str, FrameReader] = {}
+        self._readers: dict[str, FrameReader | StatsReader] = {}
         self._ratelog = RateLimitedLog(log, interval_s=config.log_interval_s, clock=clock)
         self._observer = ObservedPusher(self.core, self._update_http, clock)
         self._timer = CoreTimer(self.core, self.execute, clock=clock,
@@ -243,8 +244,11 @@ class CoordinatorServer:
         self._readers = {
             key: FrameReader(self._sockets[key], handler, name=key,
                              on_error=self._handler_failed)
-            for key, handler in self.frame_handlers.items()
+            for key, handler in self.frame_handlers.items() if key != "back_output"
         }
+        self._readers["back_output"] = StatsReader(
+            self._sockets["back_output"], self.core, self.execute, clock=self.clock,
+            on_error=self._handler_failed, max_message_bytes=self.config.max_message_bytes)
         tasks = [asyncio.ensure_future(reader.run()) for reader in self._readers.values()]
         tasks.append(asyncio.ensure_future(self._timer.run()))
         stopper = asyncio.ensure_future(stop.wait())
