@@ -59,6 +59,7 @@ from coordinator.server.http import HttpEndpoints
 from coordinator.server.meeting_point import build_parallel_config
 from coordinator.server.observe import ObservedPusher, ObservedState
 from coordinator.server.planes import DECODERS, Decoder
+from coordinator.server.sending import send_add, send_frames, send_routed
 from coordinator.server.statefile import load_state, save_state
 from coordinator.server.stats_reader import StatsReader
 from coordinator.server.timers import CoreTimer
@@ -332,9 +333,13 @@ class CoordinatorServer:
         # carried out once the current actions are done.
         self._follow_ups.extend(self.core.handle(event, self.clock()))
 
-    def _send_frames(self, key: str, frames: list[bytes]) -> SendFailure | None:
+    def _send_frames(self, key: str, identity: bytes, frames: Sequence[bytes],
+                     kind: bytes | None = None) -> SendFailure | None:
         try:
-            self._sockets[key].send_multipart(frames, zmq.NOBLOCK)
+            if kind is None:
+                send_routed(self._sockets[key], identity, frames)
+            else:
+                send_add(self._sockets[key], identity, kind, frames)
         except zmq.Again:
             return "full"
         except zmq.ZMQError as exc:
@@ -346,14 +351,14 @@ class CoordinatorServer:
         return None
 
     def _run_send(self, action: Send) -> None:
-        failure = self._send_frames(action.socket, [action.identity, *action.frames])
+        failure = self._send_frames(action.socket, action.identity, action.frames)
         if failure is not None:
             self._report(SendFailed(action, failure))
         elif action.confirm:
             self._report(SendSucceeded(action))
 
     def _run_dispatch_add(self, action: DispatchAdd) -> None:
-        failure = self._send_frames("dispatch", [action.engine, vllm.ADD, *action.payload])
+        failure = self._send_frames("dispatch", action.engine, action.payload, vllm.ADD)
         if failure is not None:
             self._report(SendFailed(action, failure))
             return
@@ -363,7 +368,7 @@ class CoordinatorServer:
         self._run_send(action.reply)
 
     def _run_publish(self, action: Publish) -> None:
-        self._sockets[action.socket].send_multipart(list(action.frames), zmq.NOBLOCK)
+        send_frames(self._sockets[action.socket], action.frames)
         self._poke(action.socket)
 
     def _run_log(self, action: Log) -> None:
