@@ -61,7 +61,7 @@ from coordinator.server.observe import ObservedPusher, ObservedState
 from coordinator.server.planes import DECODERS, Decoder
 from coordinator.server.sending import send_add, send_frames, send_routed
 from coordinator.server.statefile import load_state, save_state
-from coordinator.server.stats_reader import StatsReader
+from coordinator.server.stats_reader import BACK_OUTPUT_RCVHWM, StatsReader
 from coordinator.server.timers import CoreTimer
 from coordinator.server.transport import (
     FrameHandler,
@@ -196,7 +196,8 @@ class CoordinatorServer:
             ("handshake", zmq.ROUTER, [(zmq.ROUTER_MANDATORY, 1), *heartbeats]),
             ("dispatch", zmq.ROUTER, [(zmq.ROUTER_MANDATORY, 1), (zmq.ROUTER_HANDOVER, 1),
                                       (zmq.SNDHWM, 0), *heartbeats]),
-            ("back_output", zmq.PULL, [(zmq.RCVHWM, 0)]),
+            # Bounded, unlike vLLM's: see BACK_OUTPUT_RCVHWM.
+            ("back_output", zmq.PULL, [(zmq.RCVHWM, BACK_OUTPUT_RCVHWM)]),
             ("back_publish", zmq.XPUB, [(zmq.XPUB_VERBOSE, 1)]),
             ("front_publish", zmq.XPUB, [(zmq.XPUB_VERBOSE, 1)]),
             ("frontend", zmq.ROUTER, [(zmq.ROUTER_MANDATORY, 1), (zmq.ROUTER_HANDOVER, 1)]),

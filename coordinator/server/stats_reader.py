@@ -65,6 +65,13 @@ DEFAULT_GAP_S = 0.001
 """Drains start at least this long after the previous one ended (1 ms: far below the
 100 ms publish interval, and a wave message arriving after a quiet spell waits none)."""
 
+BACK_OUTPUT_RCVHWM = 1000
+"""Messages libzmq queues per engine connection before it stops reading that connection
+(vLLM has no bound: four peers pushing stats as fast as they could grew the coordinator
+by 240 MB/s). A sender's surplus waits on its own side: vLLM's and the SDK's PUSH sockets
+have no send bound, so an engine is never blocked by it, and one drained every
+millisecond or so, as every engine is in normal operation, never comes near it."""
+
 # A plain int: pyzmq converts its flag enums on every call.
 _NOBLOCK = int(zmq.NOBLOCK)
 
