@@ -59,7 +59,7 @@ from coordinator.server.http import HttpEndpoints
 from coordinator.server.meeting_point import build_parallel_config
 from coordinator.server.observe import ObservedPusher, ObservedState
 from coordinator.server.planes import DECODERS, Decoder
-from coordinator.server.sending import send_add, send_frames, send_routed
+from coordinator.server.sending import poke_if_readable, send_add, send_frames, send_routed
 from coordinator.server.statefile import load_state, save_state
 from coordinator.server.stats_reader import BACK_OUTPUT_RCVHWM, StatsReader
 from coordinator.server.timers import CoreTimer
@@ -405,7 +405,7 @@ class CoordinatorServer:
 
     def _poke(self, key: str) -> None:
         # A send can swallow the read edge of a message that arrived meanwhile
-        # (see FrameReader): have the socket's reader look again.
+        # (see FrameReader): have the socket's reader look again if one is waiting.
         reader = self._readers.get(key)
         if reader is not None:
-            reader.poke()
+            poke_if_readable(self._sockets[key], reader.poke)

@@ -14,7 +14,7 @@ an error can only come from the first send of a message.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import zmq
 from zmq.backend import Socket as BackendSocket
@@ -22,6 +22,8 @@ from zmq.backend import Socket as BackendSocket
 # Plain ints: pyzmq converts its flag enums on every call otherwise.
 NOBLOCK = int(zmq.NOBLOCK)
 NOBLOCK_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
+EVENTS = int(zmq.EVENTS)
+POLLIN = int(zmq.POLLIN)
 
 _send = BackendSocket.send
 
@@ -58,3 +60,17 @@ def send_add(sock: zmq.Socket[bytes], identity: bytes, kind: bytes,
     for index in range(last):
         _send(sock, payload[index], NOBLOCK_MORE)
     _send(sock, payload[last], NOBLOCK)
+
+
+def poke_if_readable(sock: zmq.Socket[bytes], poke: Callable[[], None]) -> None:
+    """After a send on ``sock``: ``poke`` its reader if a message is waiting.
+
+    A send lets libzmq process the socket's pending commands, among them "a
+    message arrived", and clear the FD the reader waits on, so a reader asleep
+    on it would never wake for that message. Asking libzmq whether one is
+    waiting costs less than waking the reader for nothing, which every ADD on
+    ``dispatch`` and every wake on ``back_publish`` would otherwise do. If none
+    is waiting, every pipe is empty, and the next message signals the FD again.
+    """
+    if int(sock.get(EVENTS)) & POLLIN:
+        poke()

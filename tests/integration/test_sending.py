@@ -8,12 +8,16 @@ EHOSTUNREACH for an identity nobody holds (``ROUTER_MANDATORY``).
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import zmq
 
-from coordinator.server.sending import send_add, send_frames, send_routed
+from coordinator.server.sending import poke_if_readable, send_add, send_frames, send_routed
+from coordinator.server.transport import FrameReader
 
 Ctx = zmq.Context[zmq.Socket[bytes]]
 
@@ -91,3 +95,51 @@ def test_a_full_queue_raises_again_and_the_message_is_not_split(zmq_ctx: Ctx,
         assert dealer.recv_multipart() == [b"\x00", b"h", b"payload"]
         got += 1
     assert got == sent
+
+
+async def test_a_reader_is_poked_after_a_send_only_when_a_message_waits(tmp_path: Path) -> None:
+    """The cure for a send swallowing a read edge, without a wake-up per send.
+
+    As in the chaos run's deaf frontend socket: a request arrives while the loop is
+    busy, then a send on the same socket lets libzmq clear the FD. The reader must
+    still get the request; and a send with nothing waiting must not wake it.
+    """
+    ctx: Ctx = zmq.Context()
+    router, client = pair(ctx, str(tmp_path), zmq.ROUTER, zmq.DEALER, identity=b"frontend-0")
+    handled: list[bytes] = []
+    pokes: list[int] = []
+    reader = FrameReader(router, lambda frames: handled.append(frames[1]), name="frontend",
+                         on_error=lambda name, exc: None)
+
+    def poke() -> None:
+        pokes.append(1)
+        reader.poke()
+
+    task = asyncio.ensure_future(reader.run())
+    try:
+        client.send(b"first")
+        await wait_for(lambda: handled == [b"first"])
+        send_routed(router, b"frontend-0", [b"reply"])
+        poke_if_readable(router, poke)
+        assert pokes == []  # nothing was waiting: no wake-up
+        client.send(b"second")
+        time.sleep(0.1)  # the loop is busy while libzmq signals the FD
+        send_routed(router, b"frontend-0", [b"a notice"])
+        poke_if_readable(router, poke)
+        assert pokes == [1]
+        await wait_for(lambda: handled == [b"first", b"second"])
+        client.send(b"third")
+        await wait_for(lambda: handled == [b"first", b"second", b"third"])
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        router.close(0)
+        client.close(0)
+        ctx.term()
+
+
+async def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
