@@ -1275,17 +1275,23 @@ def _on_schedule(step: dict[str, Any]) -> bool:
 
 
 def _publish_intervals_ms(points: list[list[int]], t_start: int, t_end: int) -> list[float]:
-    """Gaps between consecutive full publishes that end inside [t_start, t_end].
+    """Gaps between consecutive full publishes inside [t_start, t_end].
 
-    If the last publish before `t_end` is followed by none until `t_end`,
-    that open gap is counted as well: a coordinator that stops publishing
-    under load must not look punctual for it.
+    The wait from `t_start` to the first publish counts as a gap, and so
+    does the open gap from the last publish to `t_end` when it is longer than
+    every other: a coordinator that stops publishing under load must not
+    look punctual for it. A gap that began before `t_start` does not count:
+    a coordinator that publishes only while loads change (as vLLM's and ours
+    do, besides a 5 s heartbeat) was quiet then for want of news, not
+    because of the load.
     """
     times = [t for t, _ in points]
     out: list[float] = []
-    for prev, cur in itertools.pairwise(times):
-        if t_start <= cur <= t_end:
-            out.append((cur - prev) / 1e6)
+    inside = [t for t in times if t_start <= t <= t_end]
+    if inside:
+        out.append((inside[0] - t_start) / 1e6)
+    for prev, cur in itertools.pairwise(inside):
+        out.append((cur - prev) / 1e6)
     before_end = [t for t in times if t <= t_end]
     if before_end:
         open_gap = (t_end - before_end[-1]) / 1e6
