@@ -72,12 +72,15 @@ FLOOD_GAP_S = 0.00025
 """After a full batch (more is waiting) the next drain follows this soon: under a flood
 the reader takes about four fifths of the loop, never all of it."""
 
-BACK_OUTPUT_RCVHWM = 1000
+BACK_OUTPUT_RCVHWM = 128
 """Messages libzmq queues per engine connection before it stops reading that connection
 (vLLM has no bound: four peers pushing stats as fast as they could grew the coordinator
-by 240 MB/s). A sender's surplus waits on its own side: vLLM's and the SDK's PUSH sockets
-have no send bound, so an engine is never blocked by it, and one drained every
-millisecond or so, as every engine is in normal operation, never comes near it."""
+by 240 MB/s). With stats reports of about 500 bytes that is about 128 KiB per
+connection (each message costs about 1 KiB of heap), so even 1,024 engines all
+flooding hold about 128 MiB. A sender's surplus waits on its own side: vLLM's and the
+SDK's PUSH sockets have no send bound, so an engine is never blocked by it, and one
+that is drained every millisecond or so, as every engine is in normal operation, never
+comes near it."""
 
 # A plain int: pyzmq converts its flag enums on every call.
 _NOBLOCK = int(zmq.NOBLOCK)
