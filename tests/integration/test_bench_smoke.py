@@ -29,9 +29,10 @@ def run_bench(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.timeout(120)
 def test_smoke_run_writes_results(tmp_path: Path) -> None:
-    result = run_bench(tmp_path, "--scenario", "wake", "--scenario", "stats")
+    result = run_bench(tmp_path, "--scenario", "wake", "--scenario", "stats", "--scenario",
+                       "flood")
     assert result.returncode == 0, result.stderr[-3000:]
-    for scenario in ("wake", "stats"):
+    for scenario in ("wake", "stats", "flood"):
         data = json.loads((tmp_path / f"{scenario}.json").read_text())
         assert data["scenario"] == scenario
         assert data["mode"] == "smoke"
@@ -45,6 +46,9 @@ def test_smoke_run_writes_results(tmp_path: Path) -> None:
     summary = (tmp_path / "SUMMARY.md").read_text()
     assert "| Wake latency p99, N=4 (µs) |" in summary
     assert "Stats ingest" in summary
+    flood = json.loads((tmp_path / "flood.json").read_text())["cases"][0]["targets"]["ours"]
+    assert flood["median"]["rss_peak_mib"] > 0
+    assert "| Flood by 2 processes: RSS peak (MiB) |" in summary
     try:
         import matplotlib  # noqa: F401
     except ImportError:
