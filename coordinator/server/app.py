@@ -115,6 +115,8 @@ class CoordinatorServer:
                                 on_error=self._handler_failed, pokes=self._reader_pokes)
         self._serving = False
         self._follow_ups: list[Action] = []
+        self._sent_on: set[str] = set()
+        """Sockets sent on by the actions being carried out; their readers are poked after."""
         self._runners: dict[type, Callable[[Any], None]] = {
             Send: self._run_send,
             DispatchAdd: self._run_dispatch_add,
@@ -326,8 +328,13 @@ class CoordinatorServer:
             for action in actions:
                 runners[type(action)](action)
             if not self._follow_ups:
-                return
+                break
             actions, self._follow_ups = self._follow_ups, []
+        # After every send, not between them: a first request's wake leaves right
+        # after its ADD, without a look at the dispatch socket in between.
+        sent_on = self._sent_on
+        while sent_on:
+            self._poke(sent_on.pop())
 
     def _report(self, event: SendFailed | SendSucceeded | StateSaveFailed) -> None:
         # The core learns the outcome now, before any other event; what it answers is
@@ -348,7 +355,7 @@ class CoordinatorServer:
                 raise
             return "unreachable"
         finally:
-            self._poke(key)
+            self._sent_on.add(key)
         return None
 
     def _run_send(self, action: Send) -> None:
@@ -370,7 +377,7 @@ class CoordinatorServer:
 
     def _run_publish(self, action: Publish) -> None:
         send_frames(self._sockets[action.socket], action.frames)
-        self._poke(action.socket)
+        self._sent_on.add(action.socket)
 
     def _run_log(self, action: Log) -> None:
         if action.key is None:
