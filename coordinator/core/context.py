@@ -314,7 +314,8 @@ class CoreContext:
         rows = self.loads.take_publish_rows()
         wave, running = self.waves.snapshot()
         self._out.append(Publish("front_publish", (
-            vllm.encode_front_publish(rows, wave, running, row_width=self._row_width),
+            vllm.encode_front_publish_rows(rows, wave, running) if self._row_width == 3
+            else vllm.encode_front_publish(rows, wave, running, row_width=self._row_width),
         )))
         self.schedule.published(now)
         self._publish_requested = False
