@@ -162,3 +162,16 @@ def test_scale_and_cpu_scenarios_measure_what_they_say(tmp_path: Path) -> None:
     assert f"| {n} ranks: descriptors, handshake peak / after, tcp |" in summary
     assert "| CPU, 8 ranks x 50 stats/s + 200 submits/s (% of one core) |" in summary
     assert "floor reading in 1 ms batches" in summary
+
+
+def test_profile_summary_counts_own_and_stack_time(tmp_path: Path) -> None:
+    from bench.profile import summarize
+
+    stacks = tmp_path / "stacks.txt"
+    stacks.write_text("main;loop;drain 6\nmain;loop;send 3\nmain;loop 1\n\n")
+    text = summarize(str(stacks), top=5)
+    assert text.startswith("10 samples")
+    assert "60.0%  drain" in text and "30.0%  send" in text
+    assert "100.0%  main" in text
+    assert summarize(str(stacks), top=1).count(
+        "%") == 2
