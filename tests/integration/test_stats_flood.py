@@ -38,13 +38,16 @@ Ctx = zmq.Context[zmq.Socket[bytes]]
 ENGINES = 4
 WAVES = 60
 STATS_BETWEEN = 250
+# The coordinator queues at most 128 messages per connection, so most of a flood waits
+# in the sender's own queue; closing must wait for it to be delivered, not drop it.
+LINGER_MS = 60_000
 
 
 def flood_with_waves(address: str, waves: int, sent: Any) -> None:
     """Stats of every rank, with start_wave(w) and wave_complete(w) for each wave among them."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     push = ctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 5000)
+    push.setsockopt(zmq.LINGER, LINGER_MS)
     push.setsockopt(zmq.SNDHWM, 0)
     push.connect(address)
     stats = 0
@@ -78,7 +81,7 @@ def flood_with_waves(address: str, waves: int, sent: Any) -> None:
 def flood_stats_only(address: str, count: int, sent: Any) -> None:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     push = ctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 5000)
+    push.setsockopt(zmq.LINGER, LINGER_MS)
     push.setsockopt(zmq.SNDHWM, 0)
     push.connect(address)
     try:
@@ -121,7 +124,7 @@ def test_no_wave_message_is_lost_or_reordered_in_a_stats_flood(
         if buf is not None and is_wave_publish(buf):
             seen.append(buf)
     for process in floods:
-        process.join(30)
+        process.join(LINGER_MS / 1000)
         assert process.exitcode == 0
     assert seen == expected
 
@@ -136,7 +139,7 @@ def test_no_wave_message_is_lost_or_reordered_in_a_stats_flood(
     # Every stats report is accounted for: applied or superseded, none dropped.
     total = with_waves.value + stats_only.value
     wait_until(lambda: sum(front.counters().get(k, 0) for k in (
-        "stats.reports", "stats.superseded")) >= total, timeout=20.0,
+        "stats.reports", "stats.superseded")) >= total, timeout=30.0,
         what="the coordinator to take in every stats report")
     counters = front.counters()
     assert counters.get("stats.reports", 0) + counters.get("stats.superseded", 0) == total
