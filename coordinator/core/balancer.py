@@ -20,7 +20,9 @@ Every engine reports `(waiting, running, kv_cache_usage)` together with the
   since the last publish, the rows as they were *before* that report are kept
   as a pending snapshot, and the next publish sends that whole-step view
   first; the current rows follow one interval later. Dense mode has no common
-  steps and takes no snapshots.
+  steps and takes no snapshots. The snapshot is copy-on-write: taking one
+  costs nothing, and each row keeps its old value the first time it changes
+  afterwards, so no report ever pays for the whole table.
 * Between reports the coordinator counts what it dispatched to each rank
   (`dispatched_since_report`); the next report from that rank already
   includes those requests, so the counter is reset when it arrives.
@@ -28,6 +30,11 @@ Every engine reports `(waiting, running, kv_cache_usage)` together with the
 Policies only ever see the ranks the caller says are dispatchable (dead,
 draining and cordoned ranks are filtered out before), score them with
 `load_score`, and return one rank or None.
+
+Costs: a report or a dispatch changes one row and its score, O(1). The rows
+a publish sends are kept as tuples, ready to encode. A pick reads the
+candidates' scores in one C-level pass (`LoadTable.scores_of`, a list slice
+when the candidates are a run of consecutive ranks, as they usually are).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Protocol
 
 # Extra weight for waiting requests on an engine whose KV cache is past this
@@ -67,6 +75,7 @@ class StatsOutcome:
     snapshot_taken: bool
 
 
+_EMPTY_ROW: Row = (0, 0, 0.0)
 _DROPPED = StatsOutcome(applied=False, stale=False, snapshot_taken=False)
 # Reports are the hot path: share the four possible outcomes instead of building one each.
 _APPLIED = {
@@ -97,12 +106,19 @@ class LoadTable:
         if size < 0:
             raise ValueError(f"load table size must be >= 0, got {size}")
         self._rows: list[RankLoad] = [RankLoad() for _ in range(size)]
+        # What a publish sends for each row, kept current: `rows()` is a list copy.
+        self._published: list[Row] = [_EMPTY_ROW] * size
         # load_score of every row, kept current, so a pick is a scan over floats.
         self._scores: list[float] = [0.0] * size
         self._changed = False
         # Highest (wave, step) reported by any engine; lockstep only.
         self._step_mark: tuple[int, int] | None = None
-        self._pending_snapshot: list[Row] | None = None
+        # The pending snapshot: the rows that changed since it was taken, with the
+        # values they had then (None: no snapshot pending).
+        self._snapshot: dict[int, Row] | None = None
+        # `scores_of`'s reader for the last candidates list it was given.
+        self._view: tuple[Sequence[int], int, Callable[[list[float]], Sequence[float]]] | None
+        self._view = None
 
     @property
     def size(self) -> int:
@@ -120,7 +136,7 @@ class LoadTable:
 
     @property
     def snapshot_pending(self) -> bool:
-        return self._pending_snapshot is not None
+        return self._snapshot is not None
 
     def _has_rank(self, rank: int) -> bool:
         return 0 <= rank < len(self._rows)
@@ -137,30 +153,34 @@ class LoadTable:
         lockstep: bool,
     ) -> StatsOutcome:
         """Record one engine report; see the module docstring for the rules."""
-        if not self._has_rank(rank):
+        if not 0 <= rank < len(self._rows):
             return _DROPPED
         row = self._rows[rank]
+        mark = (wave, step)
         stale = is_stale_report(row.last_step, wave, step)
         snapshot_taken = False
-        mark = (wave, step)
         if lockstep and (self._step_mark is None or mark > self._step_mark):
             if self._changed:
-                self._pending_snapshot = self.rows()
+                self._snapshot = {}
                 snapshot_taken = True
             self._step_mark = mark
+        snapshot = self._snapshot
+        if snapshot is not None and rank not in snapshot:
+            snapshot[rank] = self._published[rank]
         row.waiting = waiting
         row.running = running
         row.kv_cache_usage = kv_cache_usage
         row.dispatched_since_report = 0
         row.last_step = mark
         row.reports += 1
+        self._published[rank] = (waiting, running, float(kv_cache_usage))
         self._scores[rank] = load_score(row)
         self._changed = True
         return _APPLIED[stale, snapshot_taken]
 
     def note_dispatched(self, rank: int, n: int = 1) -> None:
         """Count `n` requests the coordinator sent to `rank` since its last report."""
-        if self._has_rank(rank):
+        if 0 <= rank < len(self._rows):
             row = self._rows[rank]
             row.dispatched_since_report += n
             self._scores[rank] = load_score(row)
@@ -179,19 +199,51 @@ class LoadTable:
         if size < len(self._rows):
             del self._rows[size:]
             del self._scores[size:]
+            del self._published[size:]
         else:
-            self._scores.extend([0.0] * (size - len(self._rows)))
-            self._rows.extend(RankLoad() for _ in range(size - len(self._rows)))
-        self._pending_snapshot = None
+            grow = size - len(self._rows)
+            self._scores.extend([0.0] * grow)
+            self._published.extend([_EMPTY_ROW] * grow)
+            self._rows.extend(RankLoad() for _ in range(grow))
+        self._snapshot = None
+        self._view = None
         self._changed = True
 
     def rows(self) -> list[Row]:
         """Current `(waiting, running, kv_cache_usage)` per rank, in rank order."""
-        return [(r.waiting, r.running, r.kv_cache_usage) for r in self._rows]
+        return list(self._published)
 
     def score(self, rank: int) -> float:
         """`load_score` of `rank`'s row (kept current as the row changes)."""
         return self._scores[rank]
+
+    def scores_of(self, candidates: Sequence[int]) -> Sequence[float]:
+        """`load_score` of each candidate, aligned with `candidates` (inf outside the table).
+
+        The way to read them is worked out once per candidates list (by identity:
+        pass a list that is not modified afterwards, as `Membership.dispatchable`
+        returns) and is then one C-level pass.
+        """
+        view = self._view
+        if view is None or view[0] is not candidates or view[1] != len(candidates):
+            view = self._view = (candidates, len(candidates), self._reader(candidates))
+        return view[2](self._scores)
+
+    def _reader(self, candidates: Sequence[int]) -> Callable[[list[float]], Sequence[float]]:
+        count, size = len(candidates), len(self._rows)
+        if count == 0:
+            return lambda scores: ()
+        first = candidates[0]
+        if first >= 0 and first + count <= size and list(candidates) == list(
+                range(first, first + count)):
+            end = first + count
+            return lambda scores: scores[first:end]
+        if all(0 <= rank < size for rank in candidates):
+            if count == 1:
+                return lambda scores: (scores[first],)
+            return itemgetter(*candidates)
+        ranks = list(candidates)
+        return lambda scores: [scores[r] if 0 <= r < size else math.inf for r in ranks]
 
     def load(self, rank: int) -> RankLoad:
         """The live row for `rank` (read it, do not modify it)."""
@@ -206,12 +258,15 @@ class LoadTable:
         current rows follow at the next interval; otherwise the current rows
         are returned and `changed` is cleared.
         """
-        snapshot = self._pending_snapshot
+        rows = list(self._published)
+        snapshot = self._snapshot
         if snapshot is not None:
-            self._pending_snapshot = None
-            return snapshot
+            self._snapshot = None
+            for rank, row in snapshot.items():
+                rows[rank] = row
+            return rows
         self._changed = False
-        return self.rows()
+        return rows
 
 
 def load_score(load: RankLoad) -> float:
@@ -249,10 +304,8 @@ def pick_least_loaded(table: LoadTable, candidates: Sequence[int], start: int) -
     count = len(candidates)
     if count == 0:
         return None
-    size = table.size
-    scores = table._scores
     # Unscorable candidates get +inf so they only "win" when nothing else exists.
-    candidate_scores = [scores[r] if 0 <= r < size else math.inf for r in candidates]
+    candidate_scores = table.scores_of(candidates)
     low = min(candidate_scores)
     if low == math.inf:
         return None

@@ -143,6 +143,7 @@ class CoreContext:
         self._hellos_probing: dict[int, HandshakeReceived] = {}
         # Hot counters as plain ints, merged into counter_values().
         self._stats_reports = 0
+        self._stats_superseded = 0
         self._dispatched = 0
         # Actions of the event being handled, and what to append once at its end.
         self._out: list[Action] = []
@@ -159,6 +160,8 @@ class CoreContext:
         counters = dict(self.counters)
         if self._stats_reports:
             counters["stats.reports"] = self._stats_reports
+        if self._stats_superseded:
+            counters["stats.superseded"] = self._stats_superseded
         if self._dispatched:
             counters["submit.dispatched"] = self._dispatched
         if self.extra_counters is not None:
@@ -343,7 +346,8 @@ class CoreContext:
         rows = self.loads.take_publish_rows()
         wave, running = self.waves.snapshot()
         self._out.append(Publish("front_publish", (
-            vllm.encode_front_publish(rows, wave, running, row_width=self._row_width),
+            vllm.encode_front_publish_rows(rows, wave, running) if self._row_width == 3
+            else vllm.encode_front_publish(rows, wave, running, row_width=self._row_width),
         )))
         self.schedule.published(now)
         self._publish_requested = False

@@ -133,6 +133,22 @@ class CoordinatorCore(EngineRules, FrontendRules):
         self._on_engine_report(report, now)
         return self._flush()
 
+    def note_stats_superseded(self, count: int) -> None:
+        """``count`` stats reports were not fed in: a newer one of the same engine was.
+
+        A batched reader skips them (see ``coordinator.server.stats_reader``); only
+        the counter ``stats.superseded`` changes.
+        """
+        self._stats_superseded += count
+
+    def skippable_wave(self) -> int:
+        """The newest wave a stats report may name and change nothing but its load row.
+
+        A report naming a newer wave moves the group's wave (see ``WaveState``), so a
+        reader may skip only reports up to this one in favour of newer ones.
+        """
+        return self.waves.current_wave if self.config.lockstep else vllm.MAX_WAVE
+
     def next_deadline(self) -> float:
         """When the next ``Tick`` is due (monotonic seconds)."""
         deadline = min(self._next_lease_check, self._next_observe)

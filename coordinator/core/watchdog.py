@@ -44,6 +44,8 @@ No IO, no clock: ``now`` is monotonic seconds from the caller.
 from __future__ import annotations
 
 import enum
+import math
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
@@ -118,6 +120,85 @@ def split_waves(waves: Mapping[int, int]) -> tuple[int, ...] | None:
     return tuple(sorted(rank for rank, wave in waves.items() if wave < newest))
 
 
+class FreshWaves:
+    """How many watched ranks reported each wave within the window; two or more waves is a split.
+
+    The same answer as ``split_waves(fresh_waves(...)) is not None``, kept current
+    report by report in O(1) amortised instead of a pass over every rank: ranks
+    sit in the order of their last report and leave from the front once that
+    report is ``window_s`` old. ``report`` and ``expire`` return False when time
+    went backwards; the caller then builds a new one (``build``).
+    """
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._order: OrderedDict[int, float] = OrderedDict()  # rank -> reported_at, oldest first
+        self._waves: dict[int, int] = {}  # watched ranks in the window -> their counted wave
+        self._counts: dict[int, int] = {}  # wave -> watched ranks in the window on it
+        self._clock = -math.inf
+
+    @classmethod
+    def build(cls, reports: Mapping[int, RankReport], watched: Iterable[int], *, now: float,
+              window_s: float) -> FreshWaves:
+        fresh = cls(window_s)
+        kept = [rank for rank in reports if now - reports[rank].reported_at < window_s]
+        kept.sort(key=lambda rank: reports[rank].reported_at)
+        watched_set = set(watched)
+        for rank in kept:
+            fresh._order[rank] = reports[rank].reported_at
+            if rank in watched_set:
+                fresh._count(rank, reports[rank].wave)
+        # Later calls must not come before any report kept here, or the order breaks.
+        fresh._clock = max([now, *(reports[rank].reported_at for rank in kept[-1:])])
+        return fresh
+
+    @property
+    def split(self) -> bool:
+        return len(self._counts) > 1
+
+    def report(self, rank: int, wave: int, *, now: float, watched: bool) -> bool:
+        if now < self._clock:
+            return False
+        self._clock = now
+        order = self._order
+        if rank in order and self._waves.get(rank) == (wave if watched else None):
+            order.move_to_end(rank)  # the common case: same wave, still in the window
+            order[rank] = now
+            return True
+        self._drop(rank)
+        order[rank] = now
+        if watched:
+            self._count(rank, wave)
+        return True
+
+    def expire(self, now: float) -> bool:
+        if now < self._clock:
+            return False
+        self._clock = now
+        order = self._order
+        while order:
+            rank, reported_at = next(iter(order.items()))
+            if now - reported_at < self.window_s:
+                break
+            self._drop(rank)
+        return True
+
+    def _count(self, rank: int, wave: int) -> None:
+        self._waves[rank] = wave
+        self._counts[wave] = self._counts.get(wave, 0) + 1
+
+    def _drop(self, rank: int) -> None:
+        if self._order.pop(rank, None) is None:
+            return
+        wave = self._waves.pop(rank, None)
+        if wave is not None:
+            left = self._counts[wave] - 1
+            if left:
+                self._counts[wave] = left
+            else:
+                del self._counts[wave]
+
+
 class EpisodeStep(enum.Enum):
     QUIET = "quiet"  # not firing, not active: nothing to do
     ALERT = "alert"  # starts firing: a new alert
@@ -154,6 +235,8 @@ class HangWatchdog:
         self._reports: dict[int, RankReport] = {}
         self._members: tuple[int, ...] | None = None
         self._member_set: frozenset[int] = frozenset()
+        # Kept per report, so telling a split costs O(1), not a pass over every rank.
+        self._fresh = FreshWaves(stall_after_s)
         self._running = False
         self._wave: int | None = None
         self._last_progress: float | None = None
@@ -182,7 +265,10 @@ class HangWatchdog:
             report.wave = wave
             report.step = step
             report.reported_at = now
-        if progressed and (self._members is None or rank in self._member_set):
+        watched = self._members is None or rank in self._member_set
+        if not self._fresh.report(rank, wave, now=now, watched=watched):
+            self._rebuild_fresh(now)
+        if progressed and watched:
             self._last_progress = now
         if waves_may_differ:
             self._update_split(now)
@@ -204,8 +290,11 @@ class HangWatchdog:
             self._last_progress = now
         self._running = running
         self._wave = wave
-        self._member_set = frozenset(ranks)
-        self._members = tuple(sorted(self._member_set))
+        members = frozenset(ranks)
+        if members != self._member_set or self._members is None:
+            self._member_set = members
+            self._members = tuple(sorted(members))
+            self._rebuild_fresh(now)
         self._update_split(now)
         self._settle(now, report_new=False)
 
@@ -254,9 +343,14 @@ class HangWatchdog:
     def _watched(self) -> tuple[int, ...]:
         return self._members if self._members is not None else tuple(sorted(self._reports))
 
+    def _rebuild_fresh(self, now: float) -> None:
+        self._fresh = FreshWaves.build(self._reports, self._watched(), now=now,
+                                       window_s=self.stall_after_s)
+
     def _update_split(self, now: float) -> None:
-        waves = fresh_waves(self._reports, self._watched(), now=now, window_s=self.stall_after_s)
-        if split_waves(waves) is None:
+        if not self._fresh.expire(now):
+            self._rebuild_fresh(now)
+        if not self._fresh.split:
             self._split_since = None
         elif self._split_since is None:
             self._split_since = now

@@ -71,7 +71,9 @@ from coordinator.server.observe import ObservedPusher, ObservedState
 from coordinator.server.planes import DECODERS, SOURCED_DECODERS, Decoder
 from coordinator.server.planes import frontend as frontend_plane
 from coordinator.server.planes.oversize import oversize_event
+from coordinator.server.sending import poke_if_readable, send_add, send_frames, send_routed
 from coordinator.server.statefile import load_state, save_state
+from coordinator.server.stats_reader import BACK_OUTPUT_RCVHWM, StatsReader
 from coordinator.server.timers import CoreTimer
 from coordinator.server.transport import (
     FrameHandler,
@@ -129,7 +131,7 @@ class CoordinatorServer:
         self._owns_ipc_dir = False
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._sockets: dict[str, zmq.Socket[bytes]] = {}
-        self._readers: dict[str, FrameReader] = {}
+        self._readers: dict[str, FrameReader | StatsReader] = {}
         # Connection facts of the sockets whose peers claim ranks (server.connections).
         self._connections: dict[str, PeerConnections] = {}
         self._conn_ids = itertools.count(1)
@@ -139,6 +141,8 @@ class CoordinatorServer:
                                 on_error=self._handler_failed, pokes=self._reader_pokes)
         self._serving = False
         self._follow_ups: list[Action] = []
+        self._sent_on: set[str] = set()
+        """Sockets sent on by the actions being carried out; their readers are poked after."""
         self._runners: dict[type, Callable[[Any], None]] = {
             Send: self._run_send,
             DispatchAdd: self._run_dispatch_add,
@@ -274,7 +278,8 @@ class CoordinatorServer:
             ("handshake", zmq.ROUTER, [(zmq.ROUTER_MANDATORY, 1), *heartbeats]),
             ("dispatch", zmq.ROUTER, [(zmq.ROUTER_MANDATORY, 1), (zmq.SNDHWM, 0),
                                       *dispatch]),
-            ("back_output", zmq.PULL, [(zmq.RCVHWM, 0)]),
+            # Bounded, unlike vLLM's: see BACK_OUTPUT_RCVHWM.
+            ("back_output", zmq.PULL, [(zmq.RCVHWM, BACK_OUTPUT_RCVHWM)]),
             ("back_publish", zmq.XPUB, [(zmq.XPUB_VERBOSE, 1)]),
             ("front_publish", zmq.XPUB, [(zmq.XPUB_VERBOSE, 1)]),
             ("frontend", zmq.ROUTER, [(zmq.ROUTER_MANDATORY, 1), (zmq.ROUTER_HANDOVER, 1)]),
@@ -332,6 +337,8 @@ class CoordinatorServer:
             self._observer.push(force=True)
         self._readers = {}
         for key, handler in self.frame_handlers.items():
+            if key == "back_output":
+                continue
             connections = self._connections.get(key)
             self._readers[key] = FrameReader(
                 self._sockets[key], handler, name=key, on_error=self._handler_failed,
@@ -344,6 +351,10 @@ class CoordinatorServer:
             self._readers[f"{key}.monitor"] = FrameReader(
                 connections.monitor, self._monitor_feeder(connections),
                 name=f"{key}.monitor", on_error=self._handler_failed)
+        self._readers["back_output"] = StatsReader(
+            self._sockets["back_output"], self.core, self.execute, clock=self.clock,
+            on_error=self._handler_failed,
+            max_message_bytes=self.config.max_message_bytes("back_output"))
         tasks = [asyncio.ensure_future(reader.run()) for reader in self._readers.values()]
         tasks.append(asyncio.ensure_future(self._timer.run()))
         stopper = asyncio.ensure_future(stop.wait())
@@ -467,17 +478,26 @@ class CoordinatorServer:
             for action in actions:
                 runners[type(action)](action)
             if not self._follow_ups:
-                return
+                break
             actions, self._follow_ups = self._follow_ups, []
+        # After every send, not between them: a first request's wake leaves right
+        # after its ADD, without a look at the dispatch socket in between.
+        sent_on = self._sent_on
+        while sent_on:
+            self._poke(sent_on.pop())
 
     def _report(self, event: SendFailed | SendSucceeded | StateSaveFailed) -> None:
         # The core learns the outcome now, before any other event; what it answers is
         # carried out once the current actions are done.
         self._follow_ups.extend(self.core.handle(event, self.clock()))
 
-    def _send_frames(self, key: str, frames: list[bytes]) -> SendFailure | None:
+    def _send_frames(self, key: str, identity: bytes, frames: Sequence[bytes],
+                     kind: bytes | None = None) -> SendFailure | None:
         try:
-            self._sockets[key].send_multipart(frames, zmq.NOBLOCK)
+            if kind is None:
+                send_routed(self._sockets[key], identity, frames)
+            else:
+                send_add(self._sockets[key], identity, kind, frames)
         except zmq.Again:
             return "full"
         except zmq.ZMQError as exc:
@@ -485,11 +505,11 @@ class CoordinatorServer:
                 raise
             return "unreachable"
         finally:
-            self._poke(key)
+            self._sent_on.add(key)
         return None
 
     def _run_send(self, action: Send) -> None:
-        failure = self._send_frames(action.socket, [action.identity, *action.frames])
+        failure = self._send_frames(action.socket, action.identity, action.frames)
         if failure is not None:
             self._report(SendFailed(action, failure))
         elif action.confirm:
@@ -504,7 +524,7 @@ class CoordinatorServer:
                      action.socket)
 
     def _run_dispatch_add(self, action: DispatchAdd) -> None:
-        failure = self._send_frames("dispatch", [action.engine, vllm.ADD, *action.payload])
+        failure = self._send_frames("dispatch", action.engine, action.payload, vllm.ADD)
         if failure is not None:
             self._report(SendFailed(action, failure))
             return
@@ -514,8 +534,8 @@ class CoordinatorServer:
         self._run_send(action.reply)
 
     def _run_publish(self, action: Publish) -> None:
-        self._sockets[action.socket].send_multipart(list(action.frames), zmq.NOBLOCK)
-        self._poke(action.socket)
+        send_frames(self._sockets[action.socket], action.frames)
+        self._sent_on.add(action.socket)
 
     def _run_log(self, action: Log) -> None:
         if action.key is None:
@@ -550,7 +570,7 @@ class CoordinatorServer:
 
     def _poke(self, key: str) -> None:
         # A send can swallow the read edge of a message that arrived meanwhile
-        # (see FrameReader): have the socket's reader look again.
+        # (see FrameReader): have the socket's reader look again if one is waiting.
         reader = self._readers.get(key)
         if reader is not None:
-            reader.poke()
+            poke_if_readable(self._sockets[key], reader.poke)

@@ -13,6 +13,7 @@ import zmq
 from coordinator._zmq import run_loop
 from coordinator.server.app import CoordinatorServer
 from coordinator.server.config import ServerConfig
+from coordinator.server.fdlimit import ensure_descriptors
 from coordinator.server.statefile import StateFileError
 
 log = logging.getLogger("coordinator.server")
@@ -63,6 +64,13 @@ def run_server(config: ServerConfig, *, print_addresses: bool = True) -> int:
     except ValueError as exc:
         log.error("bad configuration: %s", exc)
         return EXIT_CONFIG
+    limit = ensure_descriptors(config.engines, config.frontends)
+    if limit.refusal is not None:
+        log.error("not enough file descriptors: %s", limit.refusal)
+        return EXIT_CONFIG
+    if limit.raised_to is not None:
+        log.info("raised the open-file limit from %d to %d (this group needs about %d)",
+                 limit.soft, limit.raised_to, limit.needed)
     # The address file tells launchers we are up, and they may stop us at once: hold
     # SIGTERM/SIGINT until the loop's handlers can close sockets and remove files.
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)

@@ -29,9 +29,10 @@ def run_bench(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.timeout(120)
 def test_smoke_run_writes_results(tmp_path: Path) -> None:
-    result = run_bench(tmp_path, "--scenario", "wake", "--scenario", "stats")
+    result = run_bench(tmp_path, "--scenario", "wake", "--scenario", "stats", "--scenario",
+                       "flood")
     assert result.returncode == 0, result.stderr[-3000:]
-    for scenario in ("wake", "stats"):
+    for scenario in ("wake", "stats", "flood"):
         data = json.loads((tmp_path / f"{scenario}.json").read_text())
         assert data["scenario"] == scenario
         assert data["mode"] == "smoke"
@@ -45,6 +46,9 @@ def test_smoke_run_writes_results(tmp_path: Path) -> None:
     summary = (tmp_path / "SUMMARY.md").read_text()
     assert "| Wake latency p99, N=4 (µs) |" in summary
     assert "Stats ingest" in summary
+    flood = json.loads((tmp_path / "flood.json").read_text())["cases"][0]["targets"]["ours"]
+    assert flood["median"]["rss_peak_mib"] > 0
+    assert "| Flood by 2 processes: RSS peak (MiB) |" in summary
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -158,3 +162,16 @@ def test_scale_and_cpu_scenarios_measure_what_they_say(tmp_path: Path) -> None:
     assert f"| {n} ranks: descriptors, handshake peak / after, tcp |" in summary
     assert "| CPU, 8 ranks x 50 stats/s + 200 submits/s (% of one core) |" in summary
     assert "floor reading in 1 ms batches" in summary
+
+
+def test_profile_summary_counts_own_and_stack_time(tmp_path: Path) -> None:
+    from bench.profile import summarize
+
+    stacks = tmp_path / "stacks.txt"
+    stacks.write_text("main;loop;drain 6\nmain;loop;send 3\nmain;loop 1\n\n")
+    text = summarize(str(stacks), top=5)
+    assert text.startswith("10 samples")
+    assert "60.0%  drain" in text and "30.0%  send" in text
+    assert "100.0%  main" in text
+    assert summarize(str(stacks), top=1).count(
+        "%") == 2

@@ -321,8 +321,12 @@ def test_stats_from_rank_i_land_in_row_i(
 def test_step_snapshot_is_published_before_current_counts(
     coordinator: CoordinatorFactory, zmq_ctx: Ctx, lockstep: bool
 ) -> None:
-    """Spec 4.9's trace: a newer (wave, step) snapshots the last complete step first."""
-    plane = make_plane(coordinator, zmq_ctx, 2, lockstep=lockstep)
+    """Spec 4.9's trace: a newer (wave, step) snapshots the last complete step first.
+
+    Each rank reports once per step here, as a lockstep engine does, so no report can
+    be superseded by a newer one of its own engine when they are read in one batch.
+    """
+    plane = make_plane(coordinator, zmq_ctx, 3, lockstep=lockstep)
     if lockstep:
         plane.report(1, engine_outputs(1, start_wave=0))
         plane.expect_wave_publish(0, True)
@@ -335,24 +339,24 @@ def test_step_snapshot_is_published_before_current_counts(
     # One pipe, so the three arrive in this order and well inside one interval.
     push.send(stats_report(0, waiting=2, running=1, kv_cache_usage=0.1, step=1))
     push.send(stats_report(1, waiting=0, running=3, step=1))
-    push.send(stats_report(0, waiting=5, running=5, step=2))
-    current = full_publish([(5, 5, 0.0), (0, 3, 0.0)], 0, running)
-    step1 = full_publish([(2, 1, 0.1), (0, 3, 0.0)], 0, running)
+    push.send(stats_report(2, waiting=5, running=5, step=2))
+    current = full_publish([(2, 1, 0.1), (0, 3, 0.0), (5, 5, 0.0)], 0, running)
+    step1 = full_publish([(2, 1, 0.1), (0, 3, 0.0), (0, 0, 0.0)], 0, running)
     first = plane.front.next_full_publish()
     if lockstep:
         assert first == step1, unpack(first)
         assert plane.front.next_full_publish() == current
     else:
         assert first == current, unpack(first)
-    # Per engine marks (vLLM PR 52936): rank 1 reporting step 1 after rank 0's step 2
-    # is not stale; rank 0 going back to step 1 is, and its counts still apply.
+    # Per engine marks (vLLM PR 52936): rank 1 reporting step 1 after rank 2's step 2
+    # is not stale; rank 2 going back to step 1 is, and its counts still apply.
     push.send(stats_report(1, waiting=1, running=3, step=1))
-    push.send(stats_report(0, waiting=7, running=0, step=1))
+    push.send(stats_report(2, waiting=7, running=0, step=1))
     plane.barrier(0)
     if lockstep:  # dense engines always send step 0, so staleness means nothing there
         counters = plane.counters()
         assert counters.get("stats.stale", 0) == 1, counters
-    want = full_publish([(7, 0, 0.0), (1, 3, 0.0)], 0, running)
+    want = full_publish([(2, 1, 0.1), (1, 3, 0.0), (7, 0, 0.0)], 0, running)
     plane.full_publish_where(lambda d: d[0] == unpack(want)[0])
     assert_clean(plane)
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -471,3 +473,102 @@ def test_balance_ratio(loads: list[int], expected: float) -> None:
 )
 def test_balance_ratio_is_mean_over_max(loads: list[int], ratio: float) -> None:
     assert balance_ratio(loads) == pytest.approx(ratio)
+
+
+# --- copy-on-write snapshots and candidate scores ------------------------------------
+
+
+class CopyingTable:
+    """The snapshot rule as first written: copy every row when a new step starts."""
+
+    def __init__(self, size: int) -> None:
+        self.rows: list[tuple[int, int, float]] = [(0, 0, 0.0)] * size
+        self.changed = False
+        self.mark: tuple[int, int] | None = None
+        self.snapshot: list[tuple[int, int, float]] | None = None
+
+    def apply(self, rank: int, waiting: int, running: int, kv: float, wave: int, step: int,
+              lockstep: bool) -> None:
+        if not 0 <= rank < len(self.rows):
+            return
+        if lockstep and (self.mark is None or (wave, step) > self.mark):
+            if self.changed:
+                self.snapshot = list(self.rows)
+            self.mark = (wave, step)
+        self.rows[rank] = (waiting, running, float(kv))
+        self.changed = True
+
+    def take(self) -> list[tuple[int, int, float]]:
+        if self.snapshot is not None:
+            rows, self.snapshot = self.snapshot, None
+            return rows
+        self.changed = False
+        return list(self.rows)
+
+    def resize(self, size: int) -> None:
+        if size == len(self.rows):
+            return
+        self.rows = (self.rows + [(0, 0, 0.0)] * size)[:size]
+        self.snapshot = None
+        self.changed = True
+
+
+table_ops = st.lists(st.one_of(
+    st.tuples(st.just("stats"), st.integers(-1, 6), st.integers(0, 9), st.integers(0, 9),
+              st.sampled_from([0, 0.25, 0.75, 1]), st.integers(0, 2), st.integers(0, 4),
+              st.booleans()),
+    st.tuples(st.just("dispatch"), st.integers(-1, 6)),
+    st.tuples(st.just("take")),
+    st.tuples(st.just("resize"), st.integers(0, 7)),
+), max_size=60)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 6), table_ops)
+def test_copy_on_write_snapshots_publish_what_copying_ones_did(
+        size: int, ops: list[tuple[Any, ...]]) -> None:
+    table, model = LoadTable(size), CopyingTable(size)
+    for op in ops:
+        if op[0] == "stats":
+            _, rank, waiting, running, kv, wave, step, lockstep = op
+            table.apply_stats(rank, waiting=waiting, running=running, kv_cache_usage=kv,
+                              wave=wave, step=step, lockstep=lockstep)
+            model.apply(rank, waiting, running, kv, wave, step, lockstep)
+        elif op[0] == "dispatch":
+            table.note_dispatched(op[1])
+        elif op[0] == "take":
+            assert table.take_publish_rows() == model.take()
+        else:
+            table.resize(op[1])
+            model.resize(op[1])
+        assert table.rows() == model.rows
+        assert table.changed == model.changed
+        assert table.snapshot_pending == (model.snapshot is not None)
+        for row in table.rows():
+            assert type(row[2]) is float
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 8), st.lists(st.integers(-2, 10), max_size=12),
+       st.lists(st.integers(0, 9), min_size=8, max_size=8))
+def test_candidate_scores_match_a_row_by_row_reading(size: int, candidates: list[int],
+                                                     waiting: list[int]) -> None:
+    table = LoadTable(size)
+    for rank in range(size):
+        report(table, rank, step=1, waiting=waiting[rank], running=rank % 3, lockstep=False)
+    want = [table.score(r) if 0 <= r < size else math.inf for r in candidates]
+    assert list(table.scores_of(candidates)) == want
+    assert list(table.scores_of(candidates)) == want  # the cached reader too
+    table.note_dispatched(candidates[0] if candidates else 0, 3)
+    want = [table.score(r) if 0 <= r < size else math.inf for r in candidates]
+    assert list(table.scores_of(candidates)) == want  # scores are read, not copied
+
+
+def test_candidate_scores_follow_a_resize() -> None:
+    table = table_with((1, 0, 0.0), (2, 0, 0.0))
+    candidates = [0, 1, 2]
+    assert list(table.scores_of(candidates)) == [1.0, 2.0, math.inf]
+    table.resize(3)
+    assert list(table.scores_of(candidates)) == [1.0, 2.0, 0.0]
+    table.resize(1)
+    assert list(table.scores_of(candidates)) == [1.0, math.inf, math.inf]

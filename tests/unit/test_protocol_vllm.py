@@ -1293,3 +1293,18 @@ def test_finished_request_ids_reads_finish_reasons_and_the_finished_set_once_eac
         finished_requests=["r3", "r2"],
     )
     assert vllm.finished_request_ids(message) == ["r2", "r3"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2**31), st.integers(0, 2**31),
+                          st.floats(min_value=0.0, max_value=1.0)), max_size=40),
+       st.integers(0, MAX_WAVE), st.booleans())
+def test_publish_rows_encode_as_the_general_encoder_does(
+        rows: list[tuple[int, int, float]], wave: int, running: bool) -> None:
+    assert protocol.encode_front_publish_rows(rows, wave, running) == encode_front_publish(
+        rows, wave, running)
+
+
+def test_publish_rows_refuse_a_wave_out_of_range() -> None:
+    with pytest.raises(ValueError):
+        protocol.encode_front_publish_rows([], MAX_WAVE + 1, False)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -12,6 +14,7 @@ from coordinator.core.watchdog import (
     NO_PROGRESS,
     WAVE_SPLIT,
     EpisodeStep,
+    FreshWaves,
     HangWatchdog,
     RankReport,
     WatchdogAlert,
@@ -333,3 +336,76 @@ def test_wave_split_alerts_once_per_split_episode(events: list[tuple[str, float]
             assert [a.kind for a in dog.active] == ([WAVE_SPLIT] if firing else [])
     assert alerts == episodes
     assert dog.alerts_raised[WAVE_SPLIT] == episodes
+
+
+@settings(max_examples=500, deadline=None)
+@given(ops=st.lists(st.one_of(
+    st.tuples(st.just("report"), st.integers(0, 3), st.integers(0, 1)),
+    st.tuples(st.just("report"), st.integers(0, 3), st.integers(0, 1)),
+    st.tuples(st.just("wait"), st.floats(min_value=0.0, max_value=2.0)),
+    st.tuples(st.just("wait"), st.floats(min_value=0.0, max_value=2.0)),
+    st.tuples(st.just("back"), st.floats(min_value=0.0, max_value=3.0)),
+    st.tuples(st.just("members"), st.sets(st.integers(0, 3))),
+), max_size=80))
+def test_the_incremental_split_is_the_pass_over_every_rank(ops: list[tuple[Any, ...]]) -> None:
+    """FreshWaves (per report, O(1)) against split_waves(fresh_waves(...)) (every rank).
+
+    Time mostly moves on, now and then jumps back, which makes it start over.
+    """
+    window = 3.0
+    reports: dict[int, RankReport] = {}
+    members: set[int] | None = None
+    fresh = FreshWaves(window)
+    now = 0.0
+
+    def rebuilt() -> FreshWaves:
+        watched = members if members is not None else reports
+        return FreshWaves.build(reports, watched, now=now, window_s=window)
+
+    for op in ops:
+        if op[0] == "members":
+            members = set(op[1])
+            fresh = rebuilt()
+        elif op[0] == "report":
+            _, rank, wave = op
+            reports[rank] = RankReport(wave, 0, now)
+            watched = members is None or rank in members
+            if not fresh.report(rank, wave, now=now, watched=watched):
+                fresh = rebuilt()
+        elif op[0] == "wait":
+            now += op[1]
+        else:
+            now = max(0.0, now - op[1])
+        if not fresh.expire(now):
+            fresh = rebuilt()
+        watched_ranks = sorted(members) if members is not None else sorted(reports)
+        want = split_waves(fresh_waves(reports, watched_ranks, now=now, window_s=window))
+        assert fresh.split == (want is not None)
+
+
+def test_a_rank_that_reports_again_stays_in_the_window_longer() -> None:
+    fresh = FreshWaves(3.0)
+    fresh.report(0, 0, now=0.0, watched=True)
+    fresh.report(1, 1, now=1.0, watched=True)
+    fresh.report(0, 0, now=2.5, watched=True)  # the same wave again, later
+    assert fresh.expire(2.9) and fresh.split
+    assert fresh.expire(4.0) and not fresh.split  # rank 1 left the window, rank 0 did not
+    assert not fresh.report(2, 1, now=3.5, watched=True)  # time went back: start over
+
+
+def test_a_wave_change_across_many_ranks_costs_each_report_little() -> None:
+    """1,024 ranks moving to the next wave: the split is told per report, not per rank."""
+    dog = HangWatchdog(stall_after_s=T)
+    ranks = list(range(1024))
+    dog.observe_group(running=False, wave=0, ranks=ranks, now=0.0)
+    report_all(dog, wave=0, step=1, now=1.0, ranks=ranks)
+    for rank in ranks[:-1]:
+        dog.observe_stats(rank, wave=1, step=0, now=2.0)
+    for now in (6.0, 10.0):  # the laggard keeps reporting the old wave
+        dog.observe_stats(1023, wave=0, step=1, now=now)
+        dog.observe_stats(0, wave=1, step=int(now), now=now)
+    assert dog.check(2.0) == [] and dog.check(11.9) == []
+    [alert] = dog.check(12.0)
+    assert alert.kind == WAVE_SPLIT and alert.ranks == (1023,)
+    dog.observe_stats(1023, wave=1, step=0, now=12.5)
+    assert dog.active == []
