@@ -89,8 +89,7 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-from coordinator.core.balancer import LoadTable
+from typing import Protocol
 
 __all__ = [
     "PREFERENCES",
@@ -104,6 +103,22 @@ __all__ = [
     "choose_rank",
     "pick_least_loaded_sticky",
 ]
+
+
+class CountRow(Protocol):
+    """A rank's counts from its latest stats report (``balancer.RankLoad``)."""
+
+    @property
+    def waiting(self) -> int: ...
+
+    @property
+    def running(self) -> int: ...
+
+
+class CountTable(Protocol):
+    """Where the counts come from (``balancer.LoadTable``, which imports this module)."""
+
+    def load(self, rank: int) -> CountRow: ...
 
 
 @dataclass(frozen=True)
@@ -338,7 +353,7 @@ class TokenLoad:
             + self.pending(rank)
         )
 
-    def loads(self, table: LoadTable, ranks: Sequence[int]) -> list[float]:
+    def loads(self, table: CountTable, ranks: Sequence[int]) -> list[float]:
         """``load(r)`` for each of ``ranks``, from the counts in ``table``'s rows."""
         result = []
         for rank in ranks:
