@@ -13,7 +13,6 @@ from logging import ERROR, INFO, WARNING
 
 from coordinator.core import liveness
 from coordinator.core.actions import REARM_TIMER, REFRESH_OBSERVED_NOW, Publish, SendPurpose
-from coordinator.core.context import CoreContext
 from coordinator.core.events import (
     EngineGreeted,
     EngineSubscribed,
@@ -23,6 +22,7 @@ from coordinator.core.events import (
 )
 from coordinator.core.frontends import InitStep
 from coordinator.core.gate import GateStep
+from coordinator.core.kv_rules import KVRules
 from coordinator.core.membership import Accepted, ProbeHolder, Refused
 from coordinator.core.recorder import KIND_MEMBERSHIP, KIND_REFUSAL, KIND_WATCHDOG
 from coordinator.core.watchdog import NO_PROGRESS
@@ -31,7 +31,7 @@ from coordinator.protocol.errors import ProtocolError
 from coordinator.protocol.identity import identity_to_rank, rank_to_identity
 
 
-class EngineRules(CoreContext):
+class EngineRules(KVRules):
     """Handlers for what engines send, and the lease and watchdog timers."""
 
     # ---- engines: handshake ----------------------------------------------------------------
@@ -101,6 +101,7 @@ class EngineRules(CoreContext):
             self._log(WARNING, "dp_rank=%d: engine %s replaces %s (previous registration %s)",
                       lease.rank, lease.engine_id, result.replaced.engine_id,
                       result.replaced.state.value)
+            self._forget_rank_cache(lease.rank, "rank_replaced")
             self._fail_rank_requests(lease.rank, "the engine was replaced by a new incarnation")
             self._apply_wave_actions(self.waves.on_group_changed(), now,
                                      cause=f"dp_rank={lease.rank} has a new incarnation",
@@ -124,7 +125,9 @@ class EngineRules(CoreContext):
         rank = event.rank
         if self.membership.check_rank(rank) is not None:
             self._drop("dispatch", "rank_out_of_range", f"dp_rank={rank}")
-        elif self.membership.greeted(rank, now):
+            return
+        self._kv_greeted(event, now)
+        if self.membership.greeted(rank, now):
             self.counters["dispatch.greetings"] += 1
             self._log(INFO, "dp_rank=%d connected on dispatch", rank)
         else:
@@ -159,6 +162,8 @@ class EngineRules(CoreContext):
             kv_cache_usage=stats.kv_cache_usage, wave=stats.current_wave,
             step=stats.step_counter, lockstep=self.config.lockstep,
         )
+        if self.router is not None:
+            self.router.on_report(rank)
         if outcome.stale:
             self.counters["stats.stale"] += 1
             self._log(INFO, "dp_rank=%d reported (wave %d, step %d), behind its previous "
@@ -215,10 +220,12 @@ class EngineRules(CoreContext):
                        f"leaves no ranks above rank_start={rank_start}")
             return
         self._log(INFO, "SCALE_ELASTIC_EP: %d -> %d engines", len(self.rank_range), count)
+        before = self.rank_range
         for change in self.membership.resize(count):
             self._on_rank_changed(change, now)
         self._rank_end = rank_start + count
         self.loads.resize(rank_start + count)
+        self._kv_resized(before)
         self.gate.expected = count
         self._out.append(REARM_TIMER)
 

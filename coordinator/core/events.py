@@ -13,6 +13,10 @@ with the protocol package's typed decoders and hands the core the result:
 * ``BadFrame`` when decoding failed, carrying the ``ProtocolError``: counting,
   logging and any reply are the core's decision too.
 
+KV cache events from the engines' publishers come as ``KVBatchReceived``,
+``KVReplayEnded`` and ``KVBadMessage``; ``KVDrain`` asks the core to apply
+one bounded slice of the queued ones.
+
 Outcomes of sends come back as ``SendFailed`` (always) and ``SendSucceeded``
 (only for a ``Send`` the core marked ``confirm``), right after the send and
 before any other event. Time comes with every event as ``now``; ``Tick`` is
@@ -32,6 +36,7 @@ from coordinator.core.persisted import SavedState
 from coordinator.protocol import frontend as fp
 from coordinator.protocol import vllm
 from coordinator.protocol.errors import ProtocolError
+from coordinator.protocol.kv_events import GreetingKV, KVEventBatch
 
 SendFailure: TypeAlias = Literal["full", "unreachable"]
 
@@ -45,9 +50,16 @@ class HandshakeReceived(msgspec.Struct, frozen=True):
 
 
 class EngineGreeted(msgspec.Struct, frozen=True, gc=False):
-    """The engine holding ``rank`` spoke on the dispatch socket (its ready greeting)."""
+    """The engine holding ``rank`` spoke on the dispatch socket (its ready greeting).
+
+    ``kv`` is what the greeting says about the engine's prefix cache and KV
+    event publisher (None when it says nothing readable), ``host`` the
+    address the engine connected from (tcp only).
+    """
 
     rank: int
+    kv: GreetingKV | None = None
+    host: str | None = None
 
 
 class EngineSubscribed(msgspec.Struct, frozen=True, gc=False):
@@ -89,6 +101,35 @@ class BadFrame(msgspec.Struct, frozen=True):
     rank: int | None = None
     frame_count: int = 0
     call_id: int = 0
+
+
+class KVBatchReceived(msgspec.Struct, frozen=True, gc=False):
+    """A batch of ``rank``'s KV events: live, or part of a replay answer (``replayed``)."""
+
+    rank: int
+    seq: int
+    batch: KVEventBatch
+    unknown_events: int = 0
+    replayed: bool = False
+
+
+class KVReplayEnded(msgspec.Struct, frozen=True, gc=False):
+    """The end marker of ``rank``'s replay answer."""
+
+    rank: int
+
+
+class KVBadMessage(msgspec.Struct, frozen=True):
+    """A message from ``rank``'s publisher that did not decode; ``seq`` if it was readable."""
+
+    rank: int
+    error: ProtocolError
+    seq: int | None = None
+    replayed: bool = False
+
+
+class KVDrain(msgspec.Struct, frozen=True, gc=False):
+    """Apply queued KV events to the prefix index, one bounded slice."""
 
 
 class SendFailed(msgspec.Struct, frozen=True):
@@ -145,6 +186,7 @@ ENGINE_UNSUBSCRIBED = EngineUnsubscribed()
 FRONTEND_SUBSCRIBED = FrontendSubscribed()
 FRONTEND_UNSUBSCRIBED = FrontendUnsubscribed()
 DUMP_RECORDER = DumpRecorder()
+KV_DRAIN = KVDrain()
 
 Event: TypeAlias = (
     HandshakeReceived
@@ -157,6 +199,10 @@ Event: TypeAlias = (
     | vllm.ScaleElasticEP
     | vllm.LegacyFirstRequest
     | FrontendRequestReceived
+    | KVBatchReceived
+    | KVReplayEnded
+    | KVBadMessage
+    | KVDrain
     | BadFrame
     | SendFailed
     | SendSucceeded

@@ -85,6 +85,7 @@ from typing import Generic, NamedTuple, TypeVar
 __all__ = [
     "STREAM",
     "Apply",
+    "Effect",
     "KVStreams",
     "RequestReplay",
     "ResetIndex",

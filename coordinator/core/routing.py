@@ -337,6 +337,11 @@ class TokenLoad:
             self._pending[rank] += cost
         self.queued_request_tokens += self.SMOOTHING * (cost - self.queued_request_tokens)
 
+    def forget(self, rank: int, cost: float) -> None:
+        """Take back a ``note_dispatched`` whose request never left (its send failed)."""
+        if 0 <= rank < len(self._pending):
+            self._pending[rank] = max(0.0, self._pending[rank] - cost)
+
     def on_report(self, rank: int) -> None:
         """A stats report from ``rank`` arrived: it covers everything sent before."""
         if 0 <= rank < len(self._pending):

@@ -19,6 +19,9 @@ from typing import Any
 from coordinator.core.actions import (
     Action,
     DispatchAdd,
+    KVRequestReplay,
+    KVSubscribe,
+    KVUnsubscribe,
     Log,
     Publish,
     RearmTimer,
@@ -76,6 +79,7 @@ class Driver:
     rearms: int = 0
     refreshes: int = 0
     failed_sends: list[SendFailed] = field(default_factory=list)
+    kv_actions: list[KVSubscribe | KVUnsubscribe | KVRequestReplay] = field(default_factory=list)
     _follow_ups: list[Action] = field(default_factory=list)
     _calls: int = 0
 
@@ -140,6 +144,8 @@ class Driver:
             self.refreshes += 1
         elif isinstance(action, RearmTimer):
             self.rearms += 1
+        elif isinstance(action, (KVSubscribe, KVUnsubscribe, KVRequestReplay)):
+            self.kv_actions.append(action)
         else:  # pragma: no cover - a new action type must be handled here
             raise AssertionError(f"unknown action {action!r}")
 

@@ -275,6 +275,8 @@ def pick(table: LoadTable, candidates: list[int] | range) -> int | None:
 
 def test_least_loaded_takes_the_lowest_score() -> None:
     table = table_with((0, 5, 0.0), (0, 2, 0.0), (3, 0, 0.9), (0, 3, 0.0))
+    assert [table.score(rank) for rank in range(4)] == [
+        load_score(table.load(rank)) for rank in range(4)]
     assert pick(table, [0, 1, 2, 3]) == 1
     assert pick(table, [0, 2, 3]) == 3
     assert pick(table, [3, 2, 0]) == 3
