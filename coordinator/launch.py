@@ -88,10 +88,12 @@ class LauncherFlagError(ValueError):
 SERVE_OPTIONS: Final = frozenset({
     "--addr-file", "--bind", "--coord-store-port", "--curve-clients-dir", "--curve-secret-key",
     "--engines", "--frontends", "--handshake-timeout-s", "--heartbeat-s", "--help", "--host",
-    "--insecure", "--ipc-dir", "--lease-ttl-s", "--log-level", "--loop", "--master-ip",
+    "--insecure", "--ipc-dir", "--kv-block-size", "--kv-events-endpoint",
+    "--kv-events-replay-endpoint", "--lease-ttl-s", "--log-level", "--loop", "--master-ip",
     "--master-port", "--metrics-host", "--metrics-port", "--no-watchdog-rewake",
-    "--no-wave-coordination", "--policy", "--port-base", "--publish-interval-ms",
-    "--rank-start", "--recorder-size", "--state-file", "--vllm-compat", "--watchdog-stall-s",
+    "--no-wave-coordination", "--policy", "--port-base", "--prefix-slack-tokens",
+    "--publish-interval-ms", "--rank-start", "--recorder-size", "--state-file", "--vllm-compat",
+    "--watchdog-stall-s",
 })
 """Every long option of `dp-coordinator serve`, which argparse matches by unique prefix.
 

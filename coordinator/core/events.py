@@ -60,6 +60,7 @@ class EngineGreeted(msgspec.Struct, frozen=True, gc=False):
     rank: int
     kv: GreetingKV | None = None
     host: str | None = None
+    kv_unreadable: bool = False
 
 
 class EngineSubscribed(msgspec.Struct, frozen=True, gc=False):

@@ -63,6 +63,8 @@ class KVRules(CoreContext):
         if kv is None:
             return
         rank, greeting = event.rank, event.kv
+        if event.kv_unreadable:
+            self.counters["kv.unreadable_greetings"] += 1
         if greeting is not None and greeting.block_size is not None:
             old = kv.index.block_size if kv.index is not None else None
             if kv.learn_block_size(greeting.block_size, "greeting"):

@@ -32,6 +32,9 @@ import zmq
 from coordinator.core.actions import (
     Action,
     DispatchAdd,
+    KVRequestReplay,
+    KVSubscribe,
+    KVUnsubscribe,
     Log,
     Publish,
     RearmTimer,
@@ -58,12 +61,14 @@ from coordinator.server.curve import CurveServer
 from coordinator.server.http import HttpEndpoints
 from coordinator.server.meeting_point import build_parallel_config
 from coordinator.server.observe import ObservedPusher, ObservedState
-from coordinator.server.planes import DECODERS, Decoder
+from coordinator.server.planes import DECODERS, Decoder, dispatch
+from coordinator.server.planes.kv_events import KVEventsPlane
 from coordinator.server.statefile import load_state, save_state
 from coordinator.server.timers import CoreTimer
 from coordinator.server.transport import (
     FrameHandler,
     FrameReader,
+    PeerFrameHandler,
     RateLimitedLog,
     bind_socket,
     make_endpoint,
@@ -85,6 +90,7 @@ def core_config(cfg: ServerConfig) -> CoreConfig:
         policy=cfg.policy, legacy_frontends=cfg.vllm_compat == "legacy",
         watchdog_stall_s=cfg.watchdog_stall_s, watchdog_rewake=cfg.watchdog_rewake,
         recorder_size=cfg.recorder_size, persist=cfg.state_file is not None,
+        kv=cfg.kv_settings(), prefix_slack_tokens=cfg.prefix_slack_tokens,
     )
 
 
@@ -107,6 +113,7 @@ class CoordinatorServer:
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._sockets: dict[str, zmq.Socket[bytes]] = {}
         self._readers: dict[str, FrameReader] = {}
+        self.kv_plane: KVEventsPlane | None = None
         self._ratelog = RateLimitedLog(log, interval_s=config.log_interval_s, clock=clock)
         self._observer = ObservedPusher(self.core, self._update_http, clock)
         self._timer = CoreTimer(self.core, self.execute, clock=clock,
@@ -122,12 +129,16 @@ class CoordinatorServer:
             SetLinger: self._run_set_linger,
             RefreshObserved: self._run_refresh,
             RearmTimer: self._run_rearm,
+            KVSubscribe: self._run_kv_subscribe,
+            KVUnsubscribe: self._run_kv_unsubscribe,
+            KVRequestReplay: self._run_kv_replay,
         }
         # One handler per socket: frames in, actions carried out.
         self.frame_handlers: dict[str, FrameHandler] = {
             key: self._feeder(decode) for key, decode in DECODERS.items()
         }
         self.frame_handlers["back_output"] = self._stats_feeder()
+        self.dispatch_handler: PeerFrameHandler = self._greeting_feeder()
 
     # ---- setup and teardown -------------------------------------------------
 
@@ -143,6 +154,11 @@ class CoordinatorServer:
                 self._owns_ipc_dir = True
         ipc_dir = self._ipc_dir or ""
         self._ctx = zmq.Context()
+        if self.core.kv is not None:
+            kv = self.core.kv
+            self.kv_plane = KVEventsPlane(
+                self._ctx, self._feed, backlog_full=lambda: kv.backlog_full,
+                pending=lambda: kv.pending_blocks > 0, max_message_bytes=cfg.max_message_bytes)
         configure = None
         if cfg.curve_secret_key is not None and cfg.curve_clients_dir is not None:
             self.curve = CurveServer(self._ctx, cfg.curve_secret_key, cfg.curve_clients_dir)
@@ -207,6 +223,8 @@ class CoordinatorServer:
         if self.http is not None:
             self.http.stop()
             self.http = None
+        if self.kv_plane is not None:
+            self.kv_plane.close()
         for sock in self._sockets.values():
             sock.close()
         self._sockets.clear()
@@ -243,10 +261,15 @@ class CoordinatorServer:
         self._readers = {
             key: FrameReader(self._sockets[key], handler, name=key,
                              on_error=self._handler_failed)
-            for key, handler in self.frame_handlers.items()
+            for key, handler in self.frame_handlers.items() if key != "dispatch"
         }
+        self._readers["dispatch"] = FrameReader(
+            self._sockets["dispatch"], self.dispatch_handler, name="dispatch",
+            on_error=self._handler_failed, peer=True)
         tasks = [asyncio.ensure_future(reader.run()) for reader in self._readers.values()]
         tasks.append(asyncio.ensure_future(self._timer.run()))
+        if self.kv_plane is not None:
+            tasks.append(asyncio.ensure_future(self._guarded("kv_events", self.kv_plane.run)))
         stopper = asyncio.ensure_future(stop.wait())
         try:
             done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
@@ -294,6 +317,30 @@ class CoordinatorServer:
                 execute(actions)
 
         return on_frames
+
+    def _greeting_feeder(self) -> PeerFrameHandler:
+        """``dispatch``: greetings, with the engine's host when it connected over tcp."""
+        handle, clock, execute = self.core.handle, self.clock, self.execute
+
+        def on_frames(frames: list[bytes], peer: str | None) -> None:
+            tcp = self.addresses.get("dispatch", "").startswith("tcp://")
+            actions = handle(dispatch.decode(frames, peer if tcp else None), clock())
+            if actions:
+                execute(actions)
+
+        return on_frames
+
+    async def _guarded(self, name: str, run: Callable[[], Any]) -> None:
+        """Run a plane's loop; a bug is counted and logged, and the loop starts again."""
+        while True:
+            try:
+                await run()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._handler_failed(name, exc)
+                await asyncio.sleep(0.1)
 
     def _feed(self, event: Event) -> None:
         self.execute(self.core.handle(event, self.clock()))
@@ -388,6 +435,32 @@ class CoordinatorServer:
 
     def _run_rearm(self, action: RearmTimer) -> None:
         self._timer.rearm()
+
+    def _run_kv_subscribe(self, action: KVSubscribe) -> None:
+        if self.kv_plane is None:
+            return
+        try:
+            self.kv_plane.subscribe(action)
+        except zmq.ZMQError as exc:
+            self.counters["kv.subscribe_failed"] += 1
+            self._ratelog.log(logging.ERROR, f"kv-subscribe:{action.rank}",
+                              "dp_rank=%d: cannot %s %s for its KV events: %s", action.rank,
+                              "bind" if action.bind else "connect to", action.address, exc)
+
+    def _run_kv_unsubscribe(self, action: KVUnsubscribe) -> None:
+        if self.kv_plane is not None:
+            self.kv_plane.unsubscribe(action.rank)
+
+    def _run_kv_replay(self, action: KVRequestReplay) -> None:
+        if self.kv_plane is None:
+            return
+        try:
+            self.kv_plane.request_replay(action)
+        except zmq.ZMQError as exc:
+            self.counters["kv.replay_request_failed"] += 1
+            self._ratelog.log(logging.ERROR, f"kv-replay:{action.rank}",
+                              "dp_rank=%d: cannot ask for a KV event replay: %s", action.rank,
+                              exc)
 
     def _update_http(self, snapshot: ObservedState) -> None:
         if self.http is not None:

@@ -26,6 +26,8 @@ from coordinator.protocol.addresses import is_ipv6_tcp, tcp_endpoint
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 FrameHandler = Callable[[list[bytes]], None]
+PeerFrameHandler = Callable[[list[bytes], str | None], None]
+"""A handler that also gets the sending peer's address (``FrameReader(peer=True)``)."""
 
 
 def make_endpoint(key: str, *, host: str | None, ipc_dir: str, port: int = 0) -> str:
@@ -94,19 +96,25 @@ class FrameReader:
     send included: a send from another task while this reader sleeps can swallow
     the edge of a message that arrived meanwhile, and the reader would never wake.
     Whoever sends on a read socket must therefore call `poke()` afterwards.
+
+    With `peer=True` the handler is a `PeerFrameHandler`: it also gets the
+    address of the peer the message came from (ZeroMQ's ``Peer-Address``;
+    for tcp, its IP), or None where ZeroMQ has none.
     """
 
     def __init__(
         self,
         sock: zmq.Socket[bytes],
-        handler: FrameHandler,
+        handler: FrameHandler | PeerFrameHandler,
         *,
         name: str,
         on_error: Callable[[str, BaseException], None],
         batch: int = 128,
+        peer: bool = False,
     ) -> None:
         self._sock = sock
         self._handler = handler
+        self._peer = peer
         self._name = name
         self._on_error = on_error
         self._batch = batch
@@ -142,12 +150,16 @@ class FrameReader:
                 except zmq.Again:
                     break
                 frames = [frame.bytes]
+                address = _peer_address(frame) if self._peer else None
                 while frame.more:  # a multipart message arrives whole
                     frame = recv(copy=False)
                     frames.append(frame.bytes)
                 count += 1
                 try:
-                    handler(frames)
+                    if self._peer:
+                        handler(frames, address)  # type: ignore[call-arg]
+                    else:
+                        handler(frames)  # type: ignore[call-arg]
                 except Exception as exc:  # a bug must not stop the socket
                     self._on_error(self._name, exc)
             if count == self._batch:
@@ -157,6 +169,14 @@ class FrameReader:
             if int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 continue
             await self._readable.wait()
+
+
+def _peer_address(frame: zmq.Frame) -> str | None:
+    try:
+        address = frame.get("Peer-Address")
+    except zmq.ZMQError:
+        return None
+    return address if isinstance(address, str) and address else None
 
 
 @dataclass

@@ -1,13 +1,21 @@
-"""``dispatch`` (ROUTER, vLLM F1): engines speak here only to greet (their ready response)."""
+"""``dispatch`` (ROUTER, vLLM F1): engines speak here only to greet (their ready response).
+
+The greeting says that the rank is connected here; a vLLM 0.33 greeting
+(``EngineCoreReadyResponse``) also carries the engine's block size and its KV
+event publisher's settings, and the connection says which host the engine
+is on (``peer``, for tcp). A greeting that says nothing readable is still a
+greeting.
+"""
 
 from __future__ import annotations
 
 from coordinator.core.events import BadFrame, EngineGreeted
 from coordinator.protocol.errors import ProtocolError
 from coordinator.protocol.identity import identity_to_rank
+from coordinator.protocol.kv_events import decode_greeting_kv
 
 
-def decode(frames: list[bytes]) -> EngineGreeted | BadFrame:
+def decode(frames: list[bytes], peer: str | None = None) -> EngineGreeted | BadFrame:
     if len(frames) < 2:
         return BadFrame("dispatch", ProtocolError(f"got {len(frames)} frames",
                                                   reason="frame_count"), frame_count=len(frames))
@@ -15,5 +23,8 @@ def decode(frames: list[bytes]) -> EngineGreeted | BadFrame:
         rank = identity_to_rank(frames[0])
     except ProtocolError as exc:
         return BadFrame("dispatch", exc, frame_count=len(frames))
-    # The greeting's content is not needed: that the rank spoke on dispatch is the news.
-    return EngineGreeted(rank)
+    try:
+        kv = decode_greeting_kv(frames[1]) if len(frames) == 2 else None
+    except ProtocolError:
+        return EngineGreeted(rank, None, peer, kv_unreadable=True)
+    return EngineGreeted(rank, kv, peer)
