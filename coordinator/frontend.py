@@ -384,11 +384,14 @@ class FrontendClient:
         dp_rank: int | None = None,
         wave: int | None = None,
         timeout: float | None = None,
+        prompt: fp.PromptKeys | None = None,
     ) -> fp.Submitted:
         """Send one request (payload frames go to the engine untouched).
 
         The header carries `wave` (by default the newest published wave), which the
-        coordinator uses to tell a stale first request from a current one.
+        coordinator uses to tell a stale first request from a current one, and
+        `prompt` when the payload is not a vLLM ADD the coordinator can read
+        itself (prefix-cache routing; docs/PROTOCOL.md).
         Raises SubmitError with the coordinator's code when it refuses.
         """
         if not payload_frames:
@@ -398,8 +401,8 @@ class FrontendClient:
         self._submitting[request_id] = self._submitting.get(request_id, 0) + 1
         try:
             reply = await self._call(
-                lambda call_id: [fp.encode(fp.Submit(call_id, request_id, stamped, dp_rank)),
-                                 *frames],
+                lambda call_id: [fp.encode(fp.Submit(call_id, request_id, stamped, dp_rank,
+                                                     prompt)), *frames],
                 f"submit {request_id!r}", timeout, SubmitError,
             )
         finally:
@@ -418,6 +421,22 @@ class FrontendClient:
         if submitted.woke:
             self.stats["submits_that_woke"] += 1
         return submitted
+
+    async def route(self, request_id: str, *, ranks: Sequence[int] | None = None,
+                    prompt: fp.PromptKeys | None = None,
+                    timeout: float | None = None) -> fp.Routed:
+        """Ask which rank should take a request this frontend sends to an engine itself.
+
+        The answer is counted on that rank as if the coordinator had dispatched
+        it. Raises SubmitError with the coordinator's code when it cannot answer.
+        """
+        reply = await self._call(
+            lambda call_id: [fp.encode(fp.Route(call_id, request_id,
+                                                None if ranks is None else list(ranks),
+                                                prompt))],
+            f"route {request_id!r}", timeout, SubmitError,
+        )
+        return _expect(reply, fp.Routed, "route")
 
     async def abort(self, request_ids: Sequence[str], *,
                     timeout: float | None = None) -> list[str]:

@@ -1,0 +1,285 @@
+"""Prefix-cache routing end to end: a real coordinator process, real engines' sockets,
+publishers of vLLM's KV event bytes, and frontends submitting vLLM ADD payloads.
+
+Each rank's publisher is played by the test with this project's encoders (the
+bytes vLLM 0.33's ``ZmqEventPublisher`` sends, checked against vLLM's own code in
+``tests/compat``): an XPUB on the rank's offset port (an XPUB, unlike vLLM's PUB,
+shows when the coordinator's subscription arrived, so nothing is lost to a slow
+join) and a replay ROUTER that answers from a buffer of every batch. A batch can
+be left out of the live stream while kept in the buffer: a sequence gap the
+coordinator must fill by replay. Engines are ``EngineAgent``s, so the test sees
+exactly which rank each ADD reaches and decides what load each rank reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+
+from coordinator.engine import AddRequest, EngineAgent
+from coordinator.frontend import FrontendClient
+from coordinator.launch import CoordinatorHandle, launch
+from coordinator.protocol.kv_events import (
+    AllBlocksCleared,
+    BlockStored,
+    KVEventBatch,
+    decode_replay_request,
+    encode_kv_batch,
+    encode_kv_frames,
+    encode_replay_batch,
+    encode_replay_end,
+)
+from tests.unit.test_engine_request import add_fields
+
+pytestmark = pytest.mark.timeout(90)
+
+STEP = 5.0
+BLOCK = 16
+ENGINES = 2
+
+
+def add_payload(request_id: str, tokens: list[int]) -> bytes:
+    return msgspec.msgpack.encode(add_fields(request_id=request_id, prompt_token_ids=tokens))
+
+
+def stored(tokens: list[int], first_hash: int, parent: int | None = None) -> BlockStored:
+    return BlockStored(block_hashes=[first_hash + i for i in range(len(tokens) // BLOCK)],
+                       parent_block_hash=parent, token_ids=tokens, block_size=BLOCK,
+                       lora_id=None, medium="GPU", lora_name=None)
+
+
+class Publisher:
+    """One rank's KV event publisher: live XPUB, replay ROUTER, a buffer of every batch."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, rank: int, live_port: int,
+                 replay_port: int) -> None:
+        self.rank = rank
+        self.live = ctx.socket(zmq.XPUB)
+        self.live.setsockopt(zmq.LINGER, 0)
+        self.live.bind(f"tcp://127.0.0.1:{live_port}")
+        self.replay = ctx.socket(zmq.ROUTER)
+        self.replay.setsockopt(zmq.LINGER, 0)
+        self.replay.bind(f"tcp://127.0.0.1:{replay_port}")
+        self.buffer: list[tuple[int, bytes]] = []
+        self.replays_served: list[int] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def wait_subscribed(self) -> None:
+        assert await self.live.poll(int(STEP * 1000)), f"rank {self.rank} never subscribed"
+        assert (await self.live.recv())[:1] == b"\x01"
+
+    def publish(self, *events: Any, deliver: bool = True) -> int:
+        seq = len(self.buffer)
+        batch = KVEventBatch(time.time(), list(events), self.rank)
+        self.buffer.append((seq, encode_kv_batch(batch)))
+        if deliver:
+            self.live.send_multipart(encode_kv_frames(seq, batch))
+        return seq
+
+    def serve_replays(self) -> None:
+        self._task = asyncio.ensure_future(self._serve())
+
+    async def _serve(self) -> None:
+        while True:
+            identity, start = decode_replay_request(await self.replay.recv_multipart())
+            self.replays_served.append(start)
+            for seq, payload in self.buffer:
+                if seq >= start:
+                    await self.replay.send_multipart([identity, *encode_replay_batch(seq,
+                                                                                     payload)])
+            await self.replay.send_multipart([identity, *encode_replay_end()])
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        self.live.close(0)
+        self.replay.close(0)
+
+
+class Rig:
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.ctx = zmq.asyncio.Context()
+        self.publishers: list[Publisher] = []
+        self.agents: list[EngineAgent] = []
+        self.handle: CoordinatorHandle | None = None
+        self.client: FrontendClient | None = None
+        self.step = 0
+
+    def bind_publishers(self) -> tuple[int, int]:
+        """Publishers on consecutive free ports (live base, replay base)."""
+        for _ in range(50):
+            live, replay = random.randrange(20000, 60000, 2), random.randrange(20000, 60000, 2)
+            made: list[Publisher] = []
+            try:
+                for rank in range(ENGINES):
+                    made.append(Publisher(self.ctx, rank, live + rank, replay + rank))
+            except zmq.ZMQError:
+                for publisher in made:
+                    publisher.close()
+                continue
+            self.publishers = made
+            return live, replay
+        raise AssertionError("no free ports for the publishers")
+
+    async def start(self, *extra: str) -> None:
+        live, replay = self.bind_publishers()
+        for publisher in self.publishers:
+            publisher.serve_replays()
+        ipc = self.tmp_path / "ipc"
+        ipc.mkdir()
+        self.handle = launch(
+            engines=ENGINES, addr_file=str(self.tmp_path / "addresses.json"), timeout=20.0,
+            extra_args=["--ipc-dir", str(ipc), "--policy", "prefix",
+                        "--kv-events-endpoint", f"tcp://*:{live}",
+                        "--kv-events-replay-endpoint", f"tcp://*:{replay}",
+                        "--kv-block-size", str(BLOCK), "--lease-ttl-s", "1.5", *extra],
+        )
+        for publisher in self.publishers:
+            await publisher.wait_subscribed()
+        self.agents = [EngineAgent(self.handle.addresses["handshake"], rank,
+                                   heartbeat_interval_s=0.2, handshake_timeout_s=STEP,
+                                   ready_timeout_s=STEP, accept_timeout_s=STEP)
+                       for rank in range(ENGINES)]
+        await asyncio.wait_for(asyncio.gather(*(a.start() for a in self.agents)), STEP * 2)
+        self.client = FrontendClient(self.handle.addresses, client_index=0,
+                                     ipc_dir=str(ipc), call_timeout_s=STEP)
+        await self.client.register()
+        await self.wait_counter("dispatch.greetings", lambda v: v >= ENGINES)
+
+    async def counters(self) -> dict[str, int]:
+        assert self.client is not None
+        return dict((await self.client.query_state()).counters)
+
+    async def wait_counter(self, name: str, check: Callable[[int], bool]) -> None:
+        deadline = time.monotonic() + STEP
+        while True:
+            value = (await self.counters()).get(name, 0)
+            if check(value):
+                return
+            assert time.monotonic() < deadline, f"{name} stayed at {value}"
+            await asyncio.sleep(0.02)
+
+    async def submit(self, request_id: str, tokens: list[int]) -> int:
+        assert self.client is not None
+        reply = await self.client.submit(request_id, [add_payload(request_id, tokens)])
+        add = await self.next_add(self.agents[reply.rank])
+        assert add.frames[0] == add_payload(request_id, tokens)  # untouched, to that rank
+        return reply.rank
+
+    @staticmethod
+    async def next_add(agent: EngineAgent) -> AddRequest:
+        deadline = time.monotonic() + STEP
+        while True:
+            item = await agent.recv_request(timeout_s=max(0.01, deadline - time.monotonic()))
+            if isinstance(item, AddRequest):
+                return item
+
+    def report(self, rank: int, waiting: int = 0, running: int = 0) -> None:
+        self.step += 1
+        self.agents[rank].send_stats(waiting=waiting, running=running, kv_cache_usage=0.1,
+                                     step_counter=self.step, current_wave=0)
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await asyncio.wait_for(self.client.close(), STEP)
+        for agent in self.agents:
+            await asyncio.wait_for(agent.close(linger_s=0.0), STEP)
+        for publisher in self.publishers:
+            publisher.close()
+        self.ctx.term()
+        if self.handle is not None:
+            code = self.handle.shutdown(timeout=5.0)
+            if code != 0:
+                print(self.handle.stderr_text()[-4000:])
+
+
+@pytest.fixture
+async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
+    made = Rig(tmp_path)
+    try:
+        await made.start()
+        yield made
+    finally:
+        await made.close()
+
+
+PROMPT = list(range(1000, 1000 + 4 * BLOCK))
+
+
+async def test_the_rank_holding_the_prefix_gets_the_request(rig: Rig) -> None:
+    rig.publishers[1].publish(stored(PROMPT, 10))
+    await rig.wait_counter("prefix_index.stored_blocks", lambda v: v >= 4)
+    for turn in range(3):
+        assert await rig.submit(f"hit-{turn}", [*PROMPT, turn]) == 1
+        # Both ranks report between turns (idle: the requests finished at once).
+        rig.report(0)
+        rig.report(1)
+        await rig.wait_counter("stats.reports", lambda v, turn=turn: v >= 2 * (turn + 1))
+    counters = await rig.counters()
+    assert counters["route.decisions.prefix"] == 3
+    assert counters["route.cached_tokens"] == 3 * 4 * BLOCK
+
+
+async def test_the_busiest_rank_is_not_chosen_however_much_it_caches(rig: Rig) -> None:
+    rig.publishers[1].publish(stored(PROMPT, 10))
+    await rig.wait_counter("prefix_index.stored_blocks", lambda v: v >= 4)
+    rig.report(1, waiting=40, running=8)
+    rig.report(0, running=1)
+    await rig.wait_counter("stats.reports", lambda v: v >= 2)
+    for turn in range(3):
+        assert await rig.submit(f"busy-{turn}", [*PROMPT, turn]) == 0
+
+
+async def test_a_sequence_gap_is_filled_by_replay(rig: Rig) -> None:
+    publisher = rig.publishers[0]
+    publisher.publish(stored(PROMPT[:BLOCK], 10))
+    publisher.publish(stored(PROMPT[BLOCK:3 * BLOCK], 11, parent=10), deliver=False)
+    publisher.publish(stored(PROMPT[3 * BLOCK:], 13, parent=12))
+    await rig.wait_counter("kv.replays_filled", lambda v: v == 1)
+    await rig.wait_counter("prefix_index.stored_blocks", lambda v: v >= 4)
+    assert publisher.replays_served == [1]
+    assert await rig.submit("after-gap", [*PROMPT, 1]) == 0
+    counters = await rig.counters()
+    assert counters["route.cached_tokens"] == 4 * BLOCK  # every block, the replayed ones too
+    assert "kv.resets.gap" not in counters and counters["kv.gaps"] == 1
+
+
+async def test_all_blocks_cleared_empties_the_rank(rig: Rig) -> None:
+    publisher = rig.publishers[1]
+    publisher.publish(stored(PROMPT, 10))
+    await rig.wait_counter("prefix_index.stored_blocks", lambda v: v >= 4)
+    rig.report(1, running=1)  # rank 1 now costs a little more: only its cache could win it
+    await rig.wait_counter("stats.reports", lambda v: v >= 1)
+    assert await rig.submit("before", [*PROMPT, 1]) == 1
+    publisher.publish(AllBlocksCleared())
+    await rig.wait_counter("kv.events.cleared", lambda v: v == 1)
+    rig.report(1, running=1)
+    await rig.wait_counter("stats.reports", lambda v: v >= 2)
+    assert await rig.submit("after", [*PROMPT, 2]) == 0
+
+
+async def test_a_dead_rank_loses_its_index(rig: Rig) -> None:
+    rig.publishers[1].publish(stored(PROMPT, 10))
+    await rig.wait_counter("prefix_index.stored_blocks", lambda v: v >= 4)
+    await rig.agents[1].close(linger_s=0.0)  # the engine process is gone
+    await rig.wait_counter("kv.resets.rank_gone", lambda v: v == 1)
+    # The rank is back (a new engine): its index starts empty, its stream from scratch.
+    rig.agents[1] = EngineAgent(rig.agents[0].handshake_address, 1, heartbeat_interval_s=0.2,
+                                handshake_timeout_s=STEP, ready_timeout_s=STEP,
+                                accept_timeout_s=STEP)
+    await asyncio.wait_for(rig.agents[1].start(), STEP * 2)
+    await rig.wait_counter("dispatch.greetings", lambda v: v >= 3)
+    rig.report(1, running=1)
+    await rig.wait_counter("stats.reports", lambda v: v >= 1)
+    assert await rig.submit("reborn", [*PROMPT, 1]) == 0
+    assert (await rig.counters()).get("route.cached_tokens", 0) == 0
