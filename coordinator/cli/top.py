@@ -11,6 +11,7 @@ waves per second. `--once` prints one frame and exits.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -60,6 +61,8 @@ class TopRank:
     dispatched_since_report: int | None
     """Dispatched since the rank's last stats report (frontend source only)."""
     report_age_s: float | None
+    cached_blocks: int | None = None
+    """Blocks the prefix index holds for the rank (HTTP source, KV events followed)."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,8 @@ class TopFrame:
     """Active alerts; None when the source cannot say (frontend socket)."""
     frontends: int | None = None
     shutting_down: bool = False
+    prefix: dict[str, Any] | None = None
+    """The KV event plane (HTTP source), as /state's ``prefix``."""
 
     @property
     def dispatched_total(self) -> int | None:
@@ -151,6 +156,11 @@ def frame_from_state_json(data: Mapping[str, Any], *, taken_at: float, source: s
             dispatched_since_report=_int(since) if since is not None else None,
             report_age_s=_opt_float(row.get("report_age_s")),
         ))
+    prefix = data.get("prefix")
+    if isinstance(prefix, Mapping):
+        cached = {_int(row.get("rank")): _int(row.get("blocks"))
+                  for row in prefix.get("ranks", []) if isinstance(row, Mapping)}
+        ranks = [dataclasses.replace(r, cached_blocks=cached.get(r.rank)) for r in ranks]
     counters = data.get("counters")
     watchdog = data.get("watchdog")
     waves_total = data.get("waves_total")
@@ -169,6 +179,7 @@ def frame_from_state_json(data: Mapping[str, Any], *, taken_at: float, source: s
         if isinstance(watchdog, list) else None,
         frontends=_int(frontends) if frontends is not None else None,
         shutting_down=bool(data.get("shutting_down", False)),
+        prefix=dict(prefix) if isinstance(prefix, Mapping) else None,
     )
 
 
@@ -302,8 +313,9 @@ def render(frame: TopFrame, rates: Rates, *, error: str | None = None) -> Render
         "-" if frame.dispatched_total is None else str(frame.dispatched_total),
     )
     table = Table(box=None, pad_edge=False, header_style="bold")
+    cached_column = any(r.cached_blocks is not None for r in frame.ranks)
     for name in ("rank", "state", "waiting", "running", "kv", "dispatched", "in flight",
-                 "report age"):
+                 "report age", *(("cached blocks",) if cached_column else ())):
         table.add_column(name, justify="left" if name == "state" else "right")
     since_only = False
     for r in frame.ranks:
@@ -318,8 +330,14 @@ def render(frame: TopFrame, rates: Rates, *, error: str | None = None) -> Render
             str(r.rank), Text(r.state, style=_STATE_STYLES.get(r.state, "bold red")),
             str(r.waiting), str(r.running), f"{r.kv_cache_usage:.0%}", dispatched,
             str(r.in_flight), "-" if r.report_age_s is None else f"{r.report_age_s:.1f}s",
+            *((str(r.cached_blocks) if r.cached_blocks is not None else "-",)
+              if cached_column else ()),
         )
-    parts: list[RenderableType] = [header, rate_line, table]
+    parts: list[RenderableType] = [header, rate_line]
+    prefix_line = _prefix_line(frame)
+    if prefix_line is not None:
+        parts.append(prefix_line)
+    parts.append(table)
     if since_only:
         parts.append(Text("+N: dispatched since the rank's last report; report age: last "
                           "traffic from the rank", style="dim"))
@@ -327,6 +345,32 @@ def render(frame: TopFrame, rates: Rates, *, error: str | None = None) -> Render
     if error is not None:
         parts.append(Text(f"{error}; showing the last reading", style="bold red"))
     return Group(*parts)
+
+
+def _prefix_line(frame: TopFrame) -> Text | None:
+    """Prefix-cache routing: estimated hit rate, decisions by reason, index size."""
+    counters = frame.counters
+    decisions = {key.removeprefix("route.decisions."): value for key, value in counters.items()
+                 if key.startswith("route.decisions.")}
+    if frame.prefix is None and not decisions:
+        return None
+    prompt = counters.get("route.prompt_tokens", 0)
+    cached = counters.get("route.cached_tokens", 0)
+    line = Text.assemble(("prefix hits ", "bold"), f"{cached / prompt:.0%}" if prompt else "-")
+    if decisions:
+        line.append("   decided by ", style="bold")
+        line.append(", ".join(f"{reason} {count}" for reason, count in
+                              sorted(decisions.items(), key=lambda item: -item[1])))
+    if frame.prefix is not None:
+        memory = frame.prefix.get("memory_bytes")
+        line.append("   index ", style="bold")
+        line.append(f"{_int(frame.prefix.get('total_blocks'))} blocks")
+        if isinstance(memory, (int, float)):
+            line.append(f", {memory / (1 << 20):.1f} MiB")
+        gaps = counters.get("kv.gaps", 0)
+        resets = sum(v for k, v in counters.items() if k.startswith("kv.resets."))
+        line.append(f"   gaps {gaps}  resets {resets}")
+    return line
 
 
 def _watchdog_line(alerts: Sequence[Mapping[str, Any]] | None) -> Text:

@@ -38,6 +38,25 @@ class RankView:
 
 
 @dataclass(frozen=True)
+class PrefixView:
+    """The KV event plane and the prefix index when the snapshot was taken."""
+
+    block_size: int | None
+    blocks: dict[int, int]
+    """Blocks the index holds, by rank."""
+    streams: dict[int, str]
+    """Each followed rank's stream state: sync, live or replaying."""
+    batches: dict[int, int]
+    """KV event batches received, by rank."""
+    subscriptions: dict[int, str]
+    """Where each followed rank's publisher is reached."""
+    total_blocks: int = 0
+    distinct_blocks: int = 0
+    memory_bytes: int = 0
+    pending_blocks: int = 0
+
+
+@dataclass(frozen=True)
 class ObservedState:
     """Everything the HTTP thread may show, taken at one moment by the loop.
 
@@ -64,6 +83,33 @@ class ObservedState:
     all_ready: bool = False
     state_json: dict[str, object] = field(default_factory=dict)
     """Extra JSON for /state (membership, leases, frontends...), merged under ours."""
+    policy: str = "least-loaded"
+    prefix: PrefixView | None = None
+    """The KV event plane (None when the coordinator follows no KV events)."""
+
+
+def prefix_view(core: CoordinatorCore) -> PrefixView | None:
+    """What the KV event plane and the index hold now."""
+    kv = core.kv
+    if kv is None:
+        return None
+    index = kv.index
+    streams = {}
+    for rank in kv.streams.ranks():
+        view = kv.streams.view(rank)
+        if view is not None:
+            streams[rank] = view.state
+    return PrefixView(
+        block_size=index.block_size if index is not None else None,
+        blocks=index.blocks_per_rank() if index is not None else {},
+        streams=streams,
+        batches=dict(kv.counters.batches_by_rank),
+        subscriptions={rank: sub.live.address for rank, sub in kv.subscriptions.items()},
+        total_blocks=index.total_blocks if index is not None else 0,
+        distinct_blocks=index.distinct_blocks if index is not None else 0,
+        memory_bytes=index.memory_estimate_bytes() if index is not None else 0,
+        pending_blocks=kv.pending_blocks,
+    )
 
 
 def observed_state(core: CoordinatorCore, now: float, recorder_tail: list[dict[str, object]],
@@ -90,6 +136,7 @@ def observed_state(core: CoordinatorCore, now: float, recorder_tail: list[dict[s
         watchdog=[alert.as_dict(now) for alert in core.watchdog.active],
         recorder_tail=recorder_tail, all_ready=core.membership.all_ready(now=now),
         state_json=group_state_to_builtins(core.group_state(now)),
+        policy=core.config.policy, prefix=prefix_view(core),
     )
 
 

@@ -1,24 +1,19 @@
 """Prefix-cache routing end to end: a real coordinator process, real engines' sockets,
 publishers of vLLM's KV event bytes, and frontends submitting vLLM ADD payloads.
 
-Each rank's publisher is played by the test with this project's encoders (the
-bytes vLLM 0.33's ``ZmqEventPublisher`` sends, checked against vLLM's own code in
-``tests/compat``): an XPUB on the rank's offset port (an XPUB, unlike vLLM's PUB,
-shows when the coordinator's subscription arrived, so nothing is lost to a slow
-join) and a replay ROUTER that answers from a buffer of every batch. A batch can
-be left out of the live stream while kept in the buffer: a sequence gap the
-coordinator must fill by replay. Engines are ``EngineAgent``s, so the test sees
-exactly which rank each ADD reaches and decides what load each rank reports.
+Each rank's publisher is a ``tests.integration.kv_publishers.Publisher``: vLLM
+0.33's bytes, with batches that can be left out of the live stream while kept
+in the replay buffer (a sequence gap the coordinator must fill). Engines are
+``EngineAgent``s, so the test sees exactly which rank each ADD reaches and
+decides what load each rank reports.
 """
 
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import pytest
@@ -28,16 +23,8 @@ import zmq.asyncio
 from coordinator.engine import AddRequest, EngineAgent
 from coordinator.frontend import FrontendClient
 from coordinator.launch import CoordinatorHandle, launch
-from coordinator.protocol.kv_events import (
-    AllBlocksCleared,
-    BlockStored,
-    KVEventBatch,
-    decode_replay_request,
-    encode_kv_batch,
-    encode_kv_frames,
-    encode_replay_batch,
-    encode_replay_end,
-)
+from coordinator.protocol.kv_events import AllBlocksCleared, BlockStored
+from tests.integration.kv_publishers import Publisher, bind_publishers
 from tests.unit.test_engine_request import add_fields
 
 pytestmark = pytest.mark.timeout(90)
@@ -57,54 +44,6 @@ def stored(tokens: list[int], first_hash: int, parent: int | None = None) -> Blo
                        lora_id=None, medium="GPU", lora_name=None)
 
 
-class Publisher:
-    """One rank's KV event publisher: live XPUB, replay ROUTER, a buffer of every batch."""
-
-    def __init__(self, ctx: zmq.asyncio.Context, rank: int, live_port: int,
-                 replay_port: int) -> None:
-        self.rank = rank
-        self.live = ctx.socket(zmq.XPUB)
-        self.live.setsockopt(zmq.LINGER, 0)
-        self.live.bind(f"tcp://127.0.0.1:{live_port}")
-        self.replay = ctx.socket(zmq.ROUTER)
-        self.replay.setsockopt(zmq.LINGER, 0)
-        self.replay.bind(f"tcp://127.0.0.1:{replay_port}")
-        self.buffer: list[tuple[int, bytes]] = []
-        self.replays_served: list[int] = []
-        self._task: asyncio.Task[None] | None = None
-
-    async def wait_subscribed(self) -> None:
-        assert await self.live.poll(int(STEP * 1000)), f"rank {self.rank} never subscribed"
-        assert (await self.live.recv())[:1] == b"\x01"
-
-    def publish(self, *events: Any, deliver: bool = True) -> int:
-        seq = len(self.buffer)
-        batch = KVEventBatch(time.time(), list(events), self.rank)
-        self.buffer.append((seq, encode_kv_batch(batch)))
-        if deliver:
-            self.live.send_multipart(encode_kv_frames(seq, batch))
-        return seq
-
-    def serve_replays(self) -> None:
-        self._task = asyncio.ensure_future(self._serve())
-
-    async def _serve(self) -> None:
-        while True:
-            identity, start = decode_replay_request(await self.replay.recv_multipart())
-            self.replays_served.append(start)
-            for seq, payload in self.buffer:
-                if seq >= start:
-                    await self.replay.send_multipart([identity, *encode_replay_batch(seq,
-                                                                                     payload)])
-            await self.replay.send_multipart([identity, *encode_replay_end()])
-
-    def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-        self.live.close(0)
-        self.replay.close(0)
-
-
 class Rig:
     def __init__(self, tmp_path: Path) -> None:
         self.tmp_path = tmp_path
@@ -115,26 +54,8 @@ class Rig:
         self.client: FrontendClient | None = None
         self.step = 0
 
-    def bind_publishers(self) -> tuple[int, int]:
-        """Publishers on consecutive free ports (live base, replay base)."""
-        for _ in range(50):
-            live, replay = random.randrange(20000, 60000, 2), random.randrange(20000, 60000, 2)
-            made: list[Publisher] = []
-            try:
-                for rank in range(ENGINES):
-                    made.append(Publisher(self.ctx, rank, live + rank, replay + rank))
-            except zmq.ZMQError:
-                for publisher in made:
-                    publisher.close()
-                continue
-            self.publishers = made
-            return live, replay
-        raise AssertionError("no free ports for the publishers")
-
     async def start(self, *extra: str) -> None:
-        live, replay = self.bind_publishers()
-        for publisher in self.publishers:
-            publisher.serve_replays()
+        self.publishers, live, replay = bind_publishers(self.ctx, ENGINES)
         ipc = self.tmp_path / "ipc"
         ipc.mkdir()
         self.handle = launch(
