@@ -320,7 +320,6 @@ class RouteClient:
     async def route(self, request_id: str, ranks: Sequence[int] | None,
                     prompt: Any) -> int | None:
         """The rank the coordinator chose, or None (vLLM's own choice); counted either way."""
-        import zmq
 
         from coordinator.protocol import frontend as fp
 

@@ -5,7 +5,7 @@ start, at the configured endpoint offset by rank (``KVSubscribe``). An
 engine's greeting on ``dispatch`` may then say better: its block size, and
 its publisher's resolved endpoints and the host it connected from; a
 subscription that changes is replaced, from scratch. Each batch, replay end
-or undecodable message goes through the rank's stream machine
+undecodable message or new connection goes through the rank's stream machine
 (``core.kv_stream``), whose effects are carried out here: applied batches are
 queued for the index (applied in slices on ``KVDrain``), losses reset the
 rank's index, and missed batches are asked for (``KVRequestReplay``). A rank
@@ -25,6 +25,7 @@ from coordinator.core.events import (
     KVBadMessage,
     KVBatchReceived,
     KVDrain,
+    KVPublisherConnected,
     KVReplayEnded,
 )
 from coordinator.core.kv_plane import Subscription
@@ -140,6 +141,13 @@ class KVRules(CoreContext):
                   key=f"kv-bad:{event.rank}:{reason}")
         if event.seq is not None:
             self._kv_effects(event.rank, kv.streams.bad(event.rank, event.seq, now))
+
+    def _on_kv_publisher_connected(self, event: KVPublisherConnected, now: float) -> None:
+        kv = self.kv
+        if kv is None or event.rank not in kv.streams:
+            return
+        self.counters["kv.connections"] += 1
+        self._kv_effects(event.rank, kv.streams.connected(event.rank, now))
 
     def _on_kv_drain(self, event: KVDrain, now: float) -> None:
         kv = self.kv

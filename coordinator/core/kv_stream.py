@@ -41,6 +41,12 @@ its model before it publishes again, long after its subscriber reconnected,
 so its first batch is seen. Where engines register with the coordinator, a
 restarted engine is also a new incarnation, which resets the rank anyway.
 
+Connections. When the subscriber's connection to a publisher comes up (at
+start, or again after it dropped), batches may have gone by unseen, and a
+publisher may have nothing more to publish for a while: with a replay
+endpoint, everything from ``expected`` (0 in ``SYNC``) is asked for at once,
+instead of waiting for the next live batch to show the hole.
+
 Replies. A replay that does not end within ``replay_timeout_s`` is given up:
 the index is reset and the last unbroken run of held batches is applied. A replay that ends
 with a hole left among the held batches (or with batches dropped while
@@ -69,6 +75,7 @@ FINISH         ``Apply`` the held batches in order; with a hole left,
 GIVE_UP        ``ResetIndex`` (unless nothing was applied since the index was
                empty), then ``Apply`` the last unbroken run of held batches
 RESET_SKIP     ``ResetIndex`` (unless the index is empty); go on after the batch
+CATCH_UP       ``RequestReplay`` from ``expected`` (0 in ``SYNC``); nothing held yet
 RESYNC         none: the caller emptied the index; held batches are dropped
 =============  =============================================================
 
@@ -127,6 +134,8 @@ class StreamInput(enum.Enum):
     REPLAY_END = "replay_end"  # the replay's end marker
     REPLAY_TIMEOUT = "replay_timeout"  # no end marker within ``replay_timeout_s``
     BAD = "bad"  # a batch whose seq reads but whose payload does not
+    CONNECTED = "connected"  # the connection to the publisher came up, with a replay endpoint
+    CONNECTED_NO_REPLAY = "connected_no_replay"  # the same, without one
     RESET = "reset"  # the caller emptied the rank's index (death, replacement, new address)
 
 
@@ -140,6 +149,7 @@ class StreamStep(enum.Enum):
     FINISH = "finish"
     GIVE_UP = "give_up"
     RESET_SKIP = "reset_skip"
+    CATCH_UP = "catch_up"
     RESYNC = "resync"
 
 
@@ -160,6 +170,8 @@ STREAM: Mapping[tuple[StreamState, StreamInput], tuple[StreamState, StreamStep]]
     (_S.SYNC, _I.REPLAY_END): (_S.SYNC, _P.SKIP),
     (_S.SYNC, _I.REPLAY_TIMEOUT): (_S.SYNC, _P.SKIP),
     (_S.SYNC, _I.BAD): (_S.LIVE, _P.RESET_SKIP),
+    (_S.SYNC, _I.CONNECTED): (_S.REPLAYING, _P.CATCH_UP),
+    (_S.SYNC, _I.CONNECTED_NO_REPLAY): (_S.SYNC, _P.SKIP),
     (_S.SYNC, _I.RESET): (_S.SYNC, _P.RESYNC),
     (_S.LIVE, _I.LIVE_NEXT): (_S.LIVE, _P.APPLY),
     (_S.LIVE, _I.LIVE_AHEAD): (_S.REPLAYING, _P.REPLAY),
@@ -171,6 +183,8 @@ STREAM: Mapping[tuple[StreamState, StreamInput], tuple[StreamState, StreamStep]]
     (_S.LIVE, _I.REPLAY_END): (_S.LIVE, _P.SKIP),
     (_S.LIVE, _I.REPLAY_TIMEOUT): (_S.LIVE, _P.SKIP),
     (_S.LIVE, _I.BAD): (_S.LIVE, _P.RESET_SKIP),
+    (_S.LIVE, _I.CONNECTED): (_S.REPLAYING, _P.CATCH_UP),
+    (_S.LIVE, _I.CONNECTED_NO_REPLAY): (_S.LIVE, _P.SKIP),
     (_S.LIVE, _I.RESET): (_S.SYNC, _P.RESYNC),
     (_S.REPLAYING, _I.LIVE_NEXT): (_S.REPLAYING, _P.HOLD),
     (_S.REPLAYING, _I.LIVE_AHEAD): (_S.REPLAYING, _P.HOLD),
@@ -182,6 +196,9 @@ STREAM: Mapping[tuple[StreamState, StreamInput], tuple[StreamState, StreamStep]]
     (_S.REPLAYING, _I.REPLAY_END): (_S.LIVE, _P.FINISH),
     (_S.REPLAYING, _I.REPLAY_TIMEOUT): (_S.LIVE, _P.GIVE_UP),
     (_S.REPLAYING, _I.BAD): (_S.LIVE, _P.RESET_SKIP),
+    # A replay is out already; what it misses, its end shows.
+    (_S.REPLAYING, _I.CONNECTED): (_S.REPLAYING, _P.SKIP),
+    (_S.REPLAYING, _I.CONNECTED_NO_REPLAY): (_S.REPLAYING, _P.SKIP),
     (_S.REPLAYING, _I.RESET): (_S.SYNC, _P.RESYNC),
 }
 
@@ -359,6 +376,19 @@ class KVStreams(Generic[Batch]):
         entry.fresh = True
         return out
 
+    def connected(self, rank: int, now: float) -> list[Effect[Batch]]:
+        """The subscriber's connection to ``rank``'s publisher came up."""
+        entry = self._ranks.get(rank)
+        if entry is None:
+            return []
+        kind = StreamInput.CONNECTED if entry.replay else StreamInput.CONNECTED_NO_REPLAY
+        entry.state, step = STREAM[entry.state, kind]
+        if step is StreamStep.SKIP:
+            return []
+        assert step is StreamStep.CATCH_UP
+        entry.rounds = 0
+        return [self._request(rank, entry, now)]
+
     def reset(self, rank: int) -> None:
         """The caller emptied ``rank``'s index (death, replacement): start again in ``SYNC``."""
         entry = self._ranks.get(rank)
@@ -462,6 +492,8 @@ class KVStreams(Generic[Batch]):
         if not entry.held and not entry.dropped:
             self.counters.replays_filled += 1
             entry.rounds = 0
+            if entry.fresh:
+                entry.state = StreamState.SYNC  # nothing came at all: still no position
             return out
         # A hole before the next held batch, or batches dropped while holding.
         entry.rounds += 1

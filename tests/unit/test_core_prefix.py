@@ -14,6 +14,7 @@ from coordinator.core.events import (
     EngineGreeted,
     KVBadMessage,
     KVBatchReceived,
+    KVPublisherConnected,
     KVReplayEnded,
 )
 from coordinator.core.kv_plane import KVSettings
@@ -276,6 +277,19 @@ def test_a_gap_is_filled_by_a_replay_and_the_index_ends_up_whole() -> None:
     driver.feed(KV_DRAIN)
     assert cached(driver, 0) == 4
     assert driver.core.counter_values()["kv.replays_filled"] == 1
+
+
+def test_a_new_connection_asks_for_what_went_by() -> None:
+    driver = start()
+    driver.kv_actions.clear()
+    driver.feed(KVPublisherConnected(0))
+    driver.feed(KVPublisherConnected(9))  # not followed: nothing
+    assert driver.kv_actions == [KVRequestReplay(0, 0)]
+    publish(driver, 0, 0, stored(PROMPT), replayed=True)
+    driver.feed(KVReplayEnded(0))
+    driver.feed(KV_DRAIN)
+    assert cached(driver, 0) == 4
+    assert driver.core.counter_values()["kv.connections"] == 1
 
 
 def test_a_replay_that_never_ends_is_given_up_at_the_timer() -> None:

@@ -226,6 +226,37 @@ def test_a_reset_drops_held_batches_and_forgets_the_replay() -> None:
     assert replay(machine, 1) == []
 
 
+# ---- connections -----------------------------------------------------------------------------
+
+
+def test_a_new_connection_catches_up_at_once() -> None:
+    machine = streams()
+    assert machine.connected(R, 0.0) == [RequestReplay(0)]
+    assert applied(replay(machine, 4, 5)) == [4, 5]
+    assert machine.view(R) == ("live", 6, 0)
+    # Connected again later: whatever went by meanwhile is asked for.
+    assert machine.connected(R, 1.0) == [RequestReplay(6)]
+    assert machine.connected(R, 1.0) == []  # a replay is out already
+    assert applied(live(machine, 8)) == []
+    assert applied(replay(machine, 6, 7, 8)) == [6, 7, 8]
+
+
+def test_a_catch_up_that_finds_nothing_keeps_waiting_for_a_first_batch() -> None:
+    machine = streams()
+    machine.connected(R, 0.0)
+    assert replay(machine) == []
+    assert machine.view(R) == ("sync", 0, 0)
+    assert live(machine, 0) == [Apply(0, "b0")]
+
+
+def test_without_a_replay_endpoint_a_connection_changes_nothing() -> None:
+    machine = streams(replay=False)
+    assert machine.connected(R, 0.0) == []
+    live(machine, 0)
+    assert machine.connected(R, 0.0) == [] and machine.view(R) == ("live", 1, 0)
+    assert KVStreams().connected(R, 0.0) == []
+
+
 # ---- bad batches and resets ------------------------------------------------------------------
 
 
@@ -352,6 +383,10 @@ class LossyPublisher(RuleBasedStateMachine):
         self.asked = None
         seq = self._publish()
         self.feed(self.machine.live(R, seq, (self.epoch, seq), self.now))
+
+    @rule()
+    def reconnected(self) -> None:
+        self.feed(self.machine.connected(R, self.now))
 
     @rule()
     def rank_replaced(self) -> None:

@@ -4,7 +4,8 @@ The core says which publishers to follow (``KVSubscribe``, ``KVUnsubscribe``)
 and when to ask one for missed batches (``KVRequestReplay``); this plane owns
 the sockets and turns what they deliver into events: ``KVBatchReceived``,
 ``KVReplayEnded`` and ``KVBadMessage`` (with the batch's number when it was
-readable). It decides nothing.
+readable), and ``KVPublisherConnected`` when a SUB's connection comes up (a
+socket monitor per SUB). It decides nothing.
 
 Bounds. Every socket has ``MAXMSGSIZE`` (a larger message costs the sender its
 connection) and a receive high-water mark (``LIVE_HWM`` messages on a SUB,
@@ -28,6 +29,7 @@ from collections.abc import Callable
 from typing import Final
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from coordinator.core.actions import KVRequestReplay, KVSubscribe
 from coordinator.core.events import (
@@ -35,6 +37,7 @@ from coordinator.core.events import (
     Event,
     KVBadMessage,
     KVBatchReceived,
+    KVPublisherConnected,
     KVReplayEnded,
 )
 from coordinator.protocol.addresses import is_ipv6_tcp
@@ -83,13 +86,19 @@ def _readable_seq(frames: list[bytes], index: int, count: int) -> int | None:
         return None
 
 
-class _Source:
-    __slots__ = ("fd", "live", "rank", "sock")
+LIVE: Final = "live"
+REPLAY: Final = "replay"
+MONITOR: Final = "monitor"
+_CONNECTED_EVENTS: Final = zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED
 
-    def __init__(self, rank: int, sock: zmq.Socket[bytes], live: bool) -> None:
+
+class _Source:
+    __slots__ = ("fd", "kind", "rank", "sock")
+
+    def __init__(self, rank: int, sock: zmq.Socket[bytes], kind: str) -> None:
         self.rank = rank
         self.sock = sock
-        self.live = live
+        self.kind = kind
         self.fd = int(sock.getsockopt(zmq.FD))
 
 
@@ -112,6 +121,7 @@ class KVEventsPlane:
         self._max_message_bytes = max_message_bytes
         self._live: dict[int, _Source] = {}
         self._replay: dict[int, _Source] = {}
+        self._monitors: dict[int, _Source] = {}
         self._replay_addresses: dict[int, str] = {}
         self._readable = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -125,20 +135,29 @@ class KVEventsPlane:
         self.unsubscribe(action.rank)
         sock = self._socket(zmq.SUB, action.address, LIVE_HWM)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
+        # Watched before it connects, so that not even the first connection goes unseen.
+        monitor = sock.get_monitor_socket(_CONNECTED_EVENTS)
         try:
             if action.bind:
                 sock.bind(action.address)
             else:
                 sock.connect(action.address)
         except zmq.ZMQError:
+            sock.disable_monitor()
+            monitor.close(0)
             sock.close(0)
             raise
-        self._add(self._live, _Source(action.rank, sock, live=True))
+        self._add(self._monitors, _Source(action.rank, monitor, MONITOR))
+        self._add(self._live, _Source(action.rank, sock, LIVE))
         if action.replay_address is not None:
             self._replay_addresses[action.rank] = action.replay_address
 
     def unsubscribe(self, rank: int) -> None:
-        for sources in (self._live, self._replay):
+        live = self._live.get(rank)
+        if live is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                live.sock.disable_monitor()
+        for sources in (self._monitors, self._live, self._replay):
             source = sources.pop(rank, None)
             if source is not None:
                 self._remove(source)
@@ -158,7 +177,7 @@ class KVEventsPlane:
         except zmq.ZMQError:
             sock.close(0)
             raise
-        source = _Source(action.rank, sock, live=False)
+        source = _Source(action.rank, sock, REPLAY)
         self._add(self._replay, source)
         # The publisher's ROUTER answers this DEALER's identity; a fresh connection
         # queues the request until it is up.
@@ -167,7 +186,7 @@ class KVEventsPlane:
         return True
 
     def close(self) -> None:
-        for rank in list({*self._live, *self._replay}):
+        for rank in list({*self._live, *self._replay, *self._monitors}):
             self.unsubscribe(rank)
 
     @property
@@ -202,7 +221,7 @@ class KVEventsPlane:
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         self._loop = loop
-        for source in [*self._live.values(), *self._replay.values()]:
+        for source in self._sources():
             loop.add_reader(source.fd, self._readable.set)
         try:
             while True:
@@ -217,14 +236,17 @@ class KVEventsPlane:
                     continue
                 await self._readable.wait()
         finally:
-            for source in [*self._live.values(), *self._replay.values()]:
+            for source in self._sources():
                 with contextlib.suppress(Exception):
                     loop.remove_reader(source.fd)
             self._loop = None
 
+    def _sources(self) -> list[_Source]:
+        return [*self._monitors.values(), *self._replay.values(), *self._live.values()]
+
     def turn(self) -> int:
         """Read at most ``MESSAGES_PER_TURN`` messages, round robin over the sockets."""
-        sources = [*self._replay.values(), *self._live.values()]
+        sources = self._sources()
         if not sources:
             return 0
         read = 0
@@ -235,7 +257,10 @@ class KVEventsPlane:
             source = sources[index]
             index = (index + 1) % len(sources)
             try:
-                frames = source.sock.recv_multipart(zmq.NOBLOCK)
+                if source.kind == MONITOR:
+                    event = recv_monitor_message(source.sock, zmq.NOBLOCK)
+                else:
+                    frames = source.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 idle += 1
                 continue
@@ -246,12 +271,18 @@ class KVEventsPlane:
             read += 1
             # Handling it may replace this rank's replay DEALER: the old one is closed
             # and reads as idle for the rest of the turn.
-            self._feed((decode_live if source.live else decode_replay)(source.rank, frames))
+            if source.kind == MONITOR:
+                if int(event["event"]) & _CONNECTED_EVENTS:
+                    self._feed(KVPublisherConnected(source.rank))
+            elif source.kind == LIVE:
+                self._feed(decode_live(source.rank, frames))
+            else:
+                self._feed(decode_replay(source.rank, frames))
         self._next = index
         return read
 
     def _any_readable(self) -> bool:
-        for source in [*self._live.values(), *self._replay.values()]:
+        for source in self._sources():
             with contextlib.suppress(zmq.ZMQError):
                 if int(source.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                     return True
