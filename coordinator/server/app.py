@@ -32,9 +32,6 @@ import zmq
 from coordinator.core.actions import (
     Action,
     DispatchAdd,
-    KVRequestReplay,
-    KVSubscribe,
-    KVUnsubscribe,
     Log,
     Publish,
     RearmTimer,
@@ -48,6 +45,7 @@ from coordinator.core.events import (
     DUMP_RECORDER,
     Bound,
     Event,
+    FrontendRequestReceived,
     Restore,
     SendFailed,
     SendFailure,
@@ -55,14 +53,15 @@ from coordinator.core.events import (
     Shutdown,
     StateSaveFailed,
 )
+from coordinator.protocol import frontend as fp
 from coordinator.protocol import vllm
 from coordinator.server.config import ServerConfig
 from coordinator.server.curve import CurveServer
 from coordinator.server.http import HttpEndpoints
 from coordinator.server.meeting_point import build_parallel_config
-from coordinator.server.observe import ObservedPusher, ObservedState
+from coordinator.server.observe import DecisionTimes, ObservedPusher, ObservedState
 from coordinator.server.planes import DECODERS, Decoder, dispatch
-from coordinator.server.planes.kv_events import KVEventsPlane
+from coordinator.server.planes.kv_events import KVEventsPlane, kv_action_runners
 from coordinator.server.statefile import load_state, save_state
 from coordinator.server.timers import CoreTimer
 from coordinator.server.transport import (
@@ -115,7 +114,8 @@ class CoordinatorServer:
         self._readers: dict[str, FrameReader] = {}
         self.kv_plane: KVEventsPlane | None = None
         self._ratelog = RateLimitedLog(log, interval_s=config.log_interval_s, clock=clock)
-        self._observer = ObservedPusher(self.core, self._update_http, clock)
+        self.decision_times = DecisionTimes()
+        self._observer = ObservedPusher(self.core, self._update_http, clock, self.decision_times)
         self._timer = CoreTimer(self.core, self.execute, clock=clock,
                                 on_error=self._handler_failed, pokes=self._reader_pokes)
         self._serving = False
@@ -129,15 +129,14 @@ class CoordinatorServer:
             SetLinger: self._run_set_linger,
             RefreshObserved: self._run_refresh,
             RearmTimer: self._run_rearm,
-            KVSubscribe: self._run_kv_subscribe,
-            KVUnsubscribe: self._run_kv_unsubscribe,
-            KVRequestReplay: self._run_kv_replay,
+            **kv_action_runners(lambda: self.kv_plane, self.counters, self._ratelog),
         }
         # One handler per socket: frames in, actions carried out.
         self.frame_handlers: dict[str, FrameHandler] = {
             key: self._feeder(decode) for key, decode in DECODERS.items()
         }
         self.frame_handlers["back_output"] = self._stats_feeder()
+        self.frame_handlers["frontend"] = self._frontend_feeder()
         self.dispatch_handler: PeerFrameHandler = self._greeting_feeder()
 
     # ---- setup and teardown -------------------------------------------------
@@ -158,7 +157,8 @@ class CoordinatorServer:
             kv = self.core.kv
             self.kv_plane = KVEventsPlane(
                 self._ctx, self._feed, backlog_full=lambda: kv.backlog_full,
-                pending=lambda: kv.pending_blocks > 0, max_message_bytes=cfg.max_message_bytes)
+                pending=lambda: kv.pending_blocks > 0, max_message_bytes=cfg.max_message_bytes,
+                on_error=self._handler_failed)
         configure = None
         if cfg.curve_secret_key is not None and cfg.curve_clients_dir is not None:
             self.curve = CurveServer(self._ctx, cfg.curve_secret_key, cfg.curve_clients_dir)
@@ -269,7 +269,7 @@ class CoordinatorServer:
         tasks = [asyncio.ensure_future(reader.run()) for reader in self._readers.values()]
         tasks.append(asyncio.ensure_future(self._timer.run()))
         if self.kv_plane is not None:
-            tasks.append(asyncio.ensure_future(self._guarded("kv_events", self.kv_plane.run)))
+            tasks.append(asyncio.ensure_future(self.kv_plane.run()))
         stopper = asyncio.ensure_future(stop.wait())
         try:
             done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
@@ -296,6 +296,26 @@ class CoordinatorServer:
 
         def on_frames(frames: list[bytes]) -> None:
             actions = handle(decode(frames), clock())
+            if actions:
+                execute(actions)
+
+        return on_frames
+
+    def _frontend_feeder(self) -> FrameHandler:
+        """``frontend``: submits and route calls are timed (``DecisionTimes``)."""
+        decode = DECODERS["frontend"]
+        handle, clock, execute = self.core.handle, self.clock, self.execute
+        observe, timed = self.decision_times.observe, (fp.Submit, fp.Route)
+        request_type = FrontendRequestReceived
+
+        def on_frames(frames: list[bytes]) -> None:
+            event = decode(frames)
+            if type(event) is request_type and type(event.message) in timed:
+                started = time.perf_counter()
+                actions = handle(event, clock())
+                observe(time.perf_counter() - started)
+            else:
+                actions = handle(event, clock())
             if actions:
                 execute(actions)
 
@@ -329,18 +349,6 @@ class CoordinatorServer:
                 execute(actions)
 
         return on_frames
-
-    async def _guarded(self, name: str, run: Callable[[], Any]) -> None:
-        """Run a plane's loop; a bug is counted and logged, and the loop starts again."""
-        while True:
-            try:
-                await run()
-                return
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                self._handler_failed(name, exc)
-                await asyncio.sleep(0.1)
 
     def _feed(self, event: Event) -> None:
         self.execute(self.core.handle(event, self.clock()))
@@ -435,32 +443,6 @@ class CoordinatorServer:
 
     def _run_rearm(self, action: RearmTimer) -> None:
         self._timer.rearm()
-
-    def _run_kv_subscribe(self, action: KVSubscribe) -> None:
-        if self.kv_plane is None:
-            return
-        try:
-            self.kv_plane.subscribe(action)
-        except zmq.ZMQError as exc:
-            self.counters["kv.subscribe_failed"] += 1
-            self._ratelog.log(logging.ERROR, f"kv-subscribe:{action.rank}",
-                              "dp_rank=%d: cannot %s %s for its KV events: %s", action.rank,
-                              "bind" if action.bind else "connect to", action.address, exc)
-
-    def _run_kv_unsubscribe(self, action: KVUnsubscribe) -> None:
-        if self.kv_plane is not None:
-            self.kv_plane.unsubscribe(action.rank)
-
-    def _run_kv_replay(self, action: KVRequestReplay) -> None:
-        if self.kv_plane is None:
-            return
-        try:
-            self.kv_plane.request_replay(action)
-        except zmq.ZMQError as exc:
-            self.counters["kv.replay_request_failed"] += 1
-            self._ratelog.log(logging.ERROR, f"kv-replay:{action.rank}",
-                              "dp_rank=%d: cannot ask for a KV event replay: %s", action.rank,
-                              exc)
 
     def _update_http(self, snapshot: ObservedState) -> None:
         if self.http is not None:

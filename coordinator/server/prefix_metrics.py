@@ -8,13 +8,19 @@ known label value), so dashboards and alerts find the same series everywhere.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from typing import Final
 
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 from coordinator.core.routing import RouteReason
-from coordinator.server.observe import ObservedState
+from coordinator.server.observe import DECISION_BUCKETS, ObservedState
 
 PREFIX: Final = "dp_coordinator"
 STREAM_STATES: Final = ("off", "sync", "live", "replaying")
@@ -112,3 +118,14 @@ def prefix_metrics(snap: ObservedState) -> Iterator[Metric]:
     yield CounterMetricFamily(_name("route_queries"), "Route calls answered (the vLLM plugin "
                               "route asks before vLLM's own choice)",
                               value=counters.get("route.answered", 0))
+    counts, total = snap.decision_times
+    cumulative: list[tuple[str, float]] = []
+    running = 0
+    bounds = [*DECISION_BUCKETS, math.inf]
+    for index, bound in enumerate(bounds):
+        running += counts[index] if index < len(counts) else 0
+        cumulative.append(("+Inf" if math.isinf(bound) else repr(bound), running))
+    yield HistogramMetricFamily(_name("route_decision_seconds"), "Time the coordinator took "
+                                "over a submit or route call: reading the prompt, the lookup, "
+                                "the choice of rank and the dispatch built on it",
+                                buckets=cumulative, sum_value=total)

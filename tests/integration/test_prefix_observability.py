@@ -115,6 +115,9 @@ async def test_metrics_state_and_top_show_the_index_and_the_decisions(tmp_path: 
         assert scraped["dp_coordinator_kv_events_replay_requests_total", ()] == 2
         assert scraped["dp_coordinator_kv_events_replays_total", (("outcome", "filled"),)] == 2
         assert scraped["dp_coordinator_kv_events_replays_total", (("outcome", "timed_out"),)] == 0
+        # The route call was timed.
+        assert scraped["dp_coordinator_route_decision_seconds_count", ()] == 1
+        assert scraped["dp_coordinator_route_decision_seconds_bucket", (("le", "+Inf"),)] == 1
 
         state = json.loads(await asyncio.to_thread(fetch, base + "/state"))
         assert state["policy"] == "prefix"

@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+from collections import Counter
 from collections.abc import Callable
-from typing import Final
+from typing import Any, Final
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from coordinator.core.actions import KVRequestReplay, KVSubscribe
+from coordinator.core.actions import KVRequestReplay, KVSubscribe, KVUnsubscribe
 from coordinator.core.events import (
     KV_DRAIN,
     Event,
@@ -49,6 +51,7 @@ from coordinator.protocol.kv_events import (
     decode_seq,
     encode_replay_request,
 )
+from coordinator.server.transport import RateLimitedLog
 
 LIVE_HWM: Final = 10_000
 REPLAY_HWM: Final = 25_000
@@ -113,9 +116,10 @@ class KVEventsPlane:
         backlog_full: Callable[[], bool],
         pending: Callable[[], bool],
         max_message_bytes: int,
+        on_error: Callable[[str, BaseException], None],
     ) -> None:
         self._ctx = ctx
-        self._feed = feed
+        self._feed = self._guard(feed, on_error)
         self._backlog_full = backlog_full
         self._pending = pending
         self._max_message_bytes = max_message_bytes
@@ -126,6 +130,17 @@ class KVEventsPlane:
         self._readable = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._next = 0
+
+    @staticmethod
+    def _guard(feed: Callable[[Event], None],
+               on_error: Callable[[str, BaseException], None]) -> Callable[[Event], None]:
+        def guarded(event: Event) -> None:
+            try:
+                feed(event)
+            except Exception as exc:  # a bug must not stop the plane
+                on_error("kv_events", exc)
+
+        return guarded
 
     # ---- what the core asks for -------------------------------------------------------------
 
@@ -287,3 +302,45 @@ class KVEventsPlane:
                 if int(source.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                     return True
         return False
+
+
+def kv_action_runners(
+    plane: Callable[[], KVEventsPlane | None], counters: Counter[str], ratelog: RateLimitedLog,
+) -> dict[type, Callable[[Any], None]]:
+    """The server's runners for the core's KV actions, on ``plane()`` (None: nothing to do).
+
+    A subscription or replay request that fails (an address in use, a bad one) is
+    logged at a rate limit and counted (``kv.subscribe_failed``,
+    ``kv.replay_request_failed``); the rank is then not followed, or its replay
+    not asked, and the core's stream machine carries on as with any loss.
+    """
+
+    def subscribe(action: KVSubscribe) -> None:
+        current = plane()
+        if current is None:
+            return
+        try:
+            current.subscribe(action)
+        except zmq.ZMQError as exc:
+            counters["kv.subscribe_failed"] += 1
+            ratelog.log(logging.ERROR, f"kv-subscribe:{action.rank}",
+                        "dp_rank=%d: cannot %s %s for its KV events: %s", action.rank,
+                        "bind" if action.bind else "connect to", action.address, exc)
+
+    def unsubscribe(action: KVUnsubscribe) -> None:
+        current = plane()
+        if current is not None:
+            current.unsubscribe(action.rank)
+
+    def request_replay(action: KVRequestReplay) -> None:
+        current = plane()
+        if current is None:
+            return
+        try:
+            current.request_replay(action)
+        except zmq.ZMQError as exc:
+            counters["kv.replay_request_failed"] += 1
+            ratelog.log(logging.ERROR, f"kv-replay:{action.rank}",
+                        "dp_rank=%d: cannot ask for a KV event replay: %s", action.rank, exc)
+
+    return {KVSubscribe: subscribe, KVUnsubscribe: unsubscribe, KVRequestReplay: request_replay}
