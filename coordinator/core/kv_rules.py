@@ -140,7 +140,8 @@ class KVRules(CoreContext):
                   " from its replay" if event.replayed else "", reason, event.error,
                   key=f"kv-bad:{event.rank}:{reason}")
         if event.seq is not None:
-            self._kv_effects(event.rank, kv.streams.bad(event.rank, event.seq, now))
+            self._kv_effects(event.rank, kv.streams.bad(event.rank, event.seq, now,
+                                                        replayed=event.replayed))
 
     def _on_kv_publisher_connected(self, event: KVPublisherConnected, now: float) -> None:
         kv = self.kv

@@ -30,7 +30,9 @@ beyond ``expected`` means the publisher's buffer no longer had the lost
 ones: the index is reset and the replay goes on from there. A batch that
 does not decode is a loss too, which a replay cannot mend (the publisher
 would send the same bytes): the index is reset and the stream goes on after
-it.
+it. While a replay is out, a bad live batch is left to the replay, which
+brings its copy (or the next round does); a bad batch in the answer resets
+the index and the answer goes on after it.
 
 Restarts. A live ``seq`` at or before one already seen means a new
 publisher process (an engine restart: ``seq`` starts again at 0): the index
@@ -133,7 +135,8 @@ class StreamInput(enum.Enum):
     REPLAYED_AHEAD = "replayed_ahead"  # a replayed batch past ``expected``: the buffer lost some
     REPLAY_END = "replay_end"  # the replay's end marker
     REPLAY_TIMEOUT = "replay_timeout"  # no end marker within ``replay_timeout_s``
-    BAD = "bad"  # a batch whose seq reads but whose payload does not
+    BAD_LIVE = "bad_live"  # a live batch whose seq reads but whose payload does not
+    BAD_REPLAYED = "bad_replayed"  # the same, in a replay answer
     CONNECTED = "connected"  # the connection to the publisher came up, with a replay endpoint
     CONNECTED_NO_REPLAY = "connected_no_replay"  # the same, without one
     RESET = "reset"  # the caller emptied the rank's index (death, replacement, new address)
@@ -169,7 +172,8 @@ STREAM: Mapping[tuple[StreamState, StreamInput], tuple[StreamState, StreamStep]]
     (_S.SYNC, _I.REPLAYED_AHEAD): (_S.SYNC, _P.SKIP),
     (_S.SYNC, _I.REPLAY_END): (_S.SYNC, _P.SKIP),
     (_S.SYNC, _I.REPLAY_TIMEOUT): (_S.SYNC, _P.SKIP),
-    (_S.SYNC, _I.BAD): (_S.LIVE, _P.RESET_SKIP),
+    (_S.SYNC, _I.BAD_LIVE): (_S.LIVE, _P.RESET_SKIP),
+    (_S.SYNC, _I.BAD_REPLAYED): (_S.SYNC, _P.SKIP),
     (_S.SYNC, _I.CONNECTED): (_S.REPLAYING, _P.CATCH_UP),
     (_S.SYNC, _I.CONNECTED_NO_REPLAY): (_S.SYNC, _P.SKIP),
     (_S.SYNC, _I.RESET): (_S.SYNC, _P.RESYNC),
@@ -182,7 +186,8 @@ STREAM: Mapping[tuple[StreamState, StreamInput], tuple[StreamState, StreamStep]]
     (_S.LIVE, _I.REPLAYED_AHEAD): (_S.LIVE, _P.SKIP),
     (_S.LIVE, _I.REPLAY_END): (_S.LIVE, _P.SKIP),
     (_S.LIVE, _I.REPLAY_TIMEOUT): (_S.LIVE, _P.SKIP),
-    (_S.LIVE, _I.BAD): (_S.LIVE, _P.RESET_SKIP),
+    (_S.LIVE, _I.BAD_LIVE): (_S.LIVE, _P.RESET_SKIP),
+    (_S.LIVE, _I.BAD_REPLAYED): (_S.LIVE, _P.SKIP),
     (_S.LIVE, _I.CONNECTED): (_S.REPLAYING, _P.CATCH_UP),
     (_S.LIVE, _I.CONNECTED_NO_REPLAY): (_S.LIVE, _P.SKIP),
     (_S.LIVE, _I.RESET): (_S.SYNC, _P.RESYNC),
@@ -195,7 +200,10 @@ STREAM: Mapping[tuple[StreamState, StreamInput], tuple[StreamState, StreamStep]]
     (_S.REPLAYING, _I.REPLAYED_AHEAD): (_S.REPLAYING, _P.RESET_APPLY),
     (_S.REPLAYING, _I.REPLAY_END): (_S.LIVE, _P.FINISH),
     (_S.REPLAYING, _I.REPLAY_TIMEOUT): (_S.LIVE, _P.GIVE_UP),
-    (_S.REPLAYING, _I.BAD): (_S.LIVE, _P.RESET_SKIP),
+    # The replay (or the next round, if it was published after) brings that
+    # batch again, and its bad copy from the replay decides.
+    (_S.REPLAYING, _I.BAD_LIVE): (_S.REPLAYING, _P.SKIP),
+    (_S.REPLAYING, _I.BAD_REPLAYED): (_S.REPLAYING, _P.RESET_SKIP),
     # A replay is out already; what it misses, its end shows.
     (_S.REPLAYING, _I.CONNECTED): (_S.REPLAYING, _P.SKIP),
     (_S.REPLAYING, _I.CONNECTED_NO_REPLAY): (_S.REPLAYING, _P.SKIP),
@@ -357,22 +365,34 @@ class KVStreams(Generic[Batch]):
         self._replaying.discard(rank)
         return self._finish(rank, entry, now)
 
-    def bad(self, rank: int, seq: int, now: float) -> list[Effect[Batch]]:
-        """A batch numbered ``seq`` (live or replayed) whose payload does not decode."""
+    def bad(self, rank: int, seq: int, now: float, *,
+            replayed: bool = False) -> list[Effect[Batch]]:
+        """A batch numbered ``seq`` (live, or in a replay answer) whose payload does not
+        decode."""
         entry = self._ranks.get(rank)
         if entry is None:
             return []
         self.counters.bad_batches += 1
-        entry.state, step = STREAM[entry.state, StreamInput.BAD]
+        kind = StreamInput.BAD_REPLAYED if replayed else StreamInput.BAD_LIVE
+        entry.state, step = STREAM[entry.state, kind]
+        if step is StreamStep.SKIP:
+            if replayed:
+                self.counters.stale_replay_messages += entry.state is not StreamState.REPLAYING
+            else:
+                entry.last_live = max(entry.last_live, seq)
+            return []
         assert step is StreamStep.RESET_SKIP
-        self._replaying.discard(rank)
+        if replayed and seq < entry.expected:
+            return []  # a copy of a batch already applied
         out: list[Effect[Batch]] = [] if entry.fresh else [ResetIndex(CAUSE_BAD_BATCH)]
-        self.counters.lost_batches += len(entry.held)
-        entry.held = []
-        entry.dropped = False
-        entry.rounds = 0
+        if not replayed:
+            # Live: whatever was held for an earlier loss can no longer follow it.
+            self.counters.lost_batches += len(entry.held)
+            entry.held = []
+            entry.dropped = False
+            entry.rounds = 0
+            entry.last_live = max(entry.last_live, seq)
         entry.expected = seq + 1
-        entry.last_live = max(entry.last_live, seq)
         entry.fresh = True
         return out
 

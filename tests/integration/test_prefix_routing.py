@@ -204,3 +204,25 @@ async def test_a_dead_rank_loses_its_index(rig: Rig) -> None:
     await rig.wait_counter("stats.reports", lambda v: v >= 1)
     assert await rig.submit("reborn", [*PROMPT, 1]) == 0
     assert (await rig.counters()).get("route.cached_tokens", 0) == 0
+
+
+async def test_a_publishers_garbage_is_counted_and_the_stream_goes_on(rig: Rig) -> None:
+    publisher = rig.publishers[1]
+    publisher.publish(stored(PROMPT[:BLOCK], 10))
+    await rig.wait_counter("prefix_index.stored_blocks", lambda v: v >= 1)
+    # Not three frames; a readable number with a payload that is not msgpack; a frame
+    # past the message size bound (the coordinator drops that connection).
+    publisher.live.send_multipart([b"only one frame"])
+    publisher.live.send_multipart([b"", (1).to_bytes(8, "big"), b"\xc1\xc1"])
+    publisher.live.send_multipart([b"", (2).to_bytes(8, "big"), b"x" * (17 << 20)])
+    await rig.wait_counter("kv.bad_batches.decode", lambda v: v == 1)
+    counters = await rig.counters()
+    assert counters["kv.bad_batches.frame_count"] == 1
+    assert counters["kv.resets.bad_batch"] == 1  # the index of rank 1 was emptied
+    # The publisher goes on (its numbering too); so does the coordinator.
+    publisher.buffer.extend([(1, b"\xc1\xc1"), (2, b"")])  # what was sent, as a buffer would
+    publisher.publish(stored(PROMPT, 20))
+    # The connection the oversized message ended is made again, and catches up.
+    await rig.wait_counter("kv.connections", lambda v: v >= 3)
+    await rig.wait_counter("prefix_index.stored_blocks", lambda v: v >= 5)
+    assert await rig.submit("after-garbage", [*PROMPT, 1]) == 1

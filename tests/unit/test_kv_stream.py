@@ -274,13 +274,39 @@ def test_a_bad_first_batch_needs_no_reset() -> None:
     assert applied(live(machine, 6)) == [6]
 
 
-def test_a_bad_batch_while_replaying_abandons_the_replay() -> None:
+def test_a_bad_live_batch_while_replaying_is_left_to_the_replay() -> None:
     machine = streams()
     live(machine, 0)
     live(machine, 3)
-    assert machine.bad(R, 1, 0.0) == [ResetIndex("bad_batch")]
-    assert machine.next_deadline() is None
-    assert machine.view(R) == ("live", 2, 0)
+    assert machine.bad(R, 4, 0.0) == []  # held back: the replay will bring it
+    live(machine, 5)
+    effects = replay(machine, 1, 2, 3, end=False)
+    assert applied(effects) == [1, 2, 3]
+    # Its copy in the answer is bad too: the index is reset, and the answer goes on.
+    assert machine.bad(R, 4, 0.0, replayed=True) == [ResetIndex("bad_batch")]
+    assert applied(replay(machine)) == [5]
+    assert machine.view(R) == ("live", 6, 0)
+
+
+def test_a_bad_batch_published_after_the_replay_is_fetched_by_the_next_round() -> None:
+    machine = streams()
+    live(machine, 0)
+    live(machine, 2)
+    machine.bad(R, 3, 0.0)
+    live(machine, 4)
+    assert replay(machine, 1, 2) == [Apply(1, "b1"), Apply(2, "b2"), RequestReplay(3)]
+    assert machine.bad(R, 3, 0.0, replayed=True) == [ResetIndex("bad_batch")]
+    assert applied(replay(machine, 4)) == [4]
+    assert machine.view(R) == ("live", 5, 0)
+
+
+def test_bad_replayed_copies_that_are_stale_or_old_are_skipped() -> None:
+    machine = streams()
+    live(machine, 0, 1)
+    assert machine.bad(R, 1, 0.0, replayed=True) == []  # no replay out
+    live(machine, 3)
+    assert machine.bad(R, 0, 0.0, replayed=True) == []  # before expected
+    assert machine.view(R) == ("replaying", 2, 1)
 
 
 def test_reset_and_unsubscribed_ranks() -> None:
@@ -323,6 +349,7 @@ class LossyPublisher(RuleBasedStateMachine):
         self.epoch = 0
         self.next_seq = 0
         self.buffer: list[int] = []
+        self.bad: set[int] = set()
         self.asked: int | None = None
         self.last: tuple[int, int] | None = None  # last applied since the last reset
 
@@ -351,9 +378,12 @@ class LossyPublisher(RuleBasedStateMachine):
         if delivered:
             self.feed(self.machine.live(R, seq, (self.epoch, seq), self.now))
 
-    @rule()
-    def publish_bad(self) -> None:
-        self.feed(self.machine.bad(R, self._publish(), self.now))
+    @rule(delivered=st.booleans())
+    def publish_bad(self, delivered: bool) -> None:
+        seq = self._publish()
+        self.bad.add(seq)
+        if delivered:
+            self.feed(self.machine.bad(R, seq, self.now))
 
     @precondition(lambda self: self.asked is not None)
     @rule(cut=st.integers(0, 8), end=st.booleans())
@@ -361,7 +391,10 @@ class LossyPublisher(RuleBasedStateMachine):
         start, self.asked = self.asked, None
         assert start is not None
         for seq in [s for s in self.buffer if s >= start][:cut]:
-            self.feed(self.machine.replayed(R, seq, (self.epoch, seq), self.now))
+            if seq in self.bad:
+                self.feed(self.machine.bad(R, seq, self.now, replayed=True))
+            else:
+                self.feed(self.machine.replayed(R, seq, (self.epoch, seq), self.now))
         if end:
             self.feed(self.machine.replay_ended(R, self.now))
 
@@ -380,6 +413,7 @@ class LossyPublisher(RuleBasedStateMachine):
         self.epoch += 1
         self.next_seq = 0
         self.buffer = []
+        self.bad = set()
         self.asked = None
         seq = self._publish()
         self.feed(self.machine.live(R, seq, (self.epoch, seq), self.now))

@@ -93,6 +93,10 @@ LIVE: Final = "live"
 REPLAY: Final = "replay"
 MONITOR: Final = "monitor"
 _CONNECTED_EVENTS: Final = zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED
+_WATCHED_EVENTS: Final = _CONNECTED_EVENTS | zmq.EVENT_DISCONNECTED
+# A connecting SUB whose connection ended for a protocol error (a message past
+# MAXMSGSIZE) is never reconnected by libzmq: it is made again, at most this often.
+REOPEN_INTERVAL_S: Final = 1.0
 
 
 class _Source:
@@ -127,6 +131,8 @@ class KVEventsPlane:
         self._replay: dict[int, _Source] = {}
         self._monitors: dict[int, _Source] = {}
         self._replay_addresses: dict[int, str] = {}
+        self._subscriptions: dict[int, KVSubscribe] = {}
+        self._reopen_at: dict[int, float] = {}
         self._readable = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._next = 0
@@ -151,7 +157,7 @@ class KVEventsPlane:
         sock = self._socket(zmq.SUB, action.address, LIVE_HWM)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         # Watched before it connects, so that not even the first connection goes unseen.
-        monitor = sock.get_monitor_socket(_CONNECTED_EVENTS)
+        monitor = sock.get_monitor_socket(_WATCHED_EVENTS)
         try:
             if action.bind:
                 sock.bind(action.address)
@@ -164,6 +170,7 @@ class KVEventsPlane:
             raise
         self._add(self._monitors, _Source(action.rank, monitor, MONITOR))
         self._add(self._live, _Source(action.rank, sock, LIVE))
+        self._subscriptions[action.rank] = action
         if action.replay_address is not None:
             self._replay_addresses[action.rank] = action.replay_address
 
@@ -177,6 +184,7 @@ class KVEventsPlane:
             if source is not None:
                 self._remove(source)
         self._replay_addresses.pop(rank, None)
+        self._subscriptions.pop(rank, None)
 
     def request_replay(self, action: KVRequestReplay) -> bool:
         """Ask for a replay on a new DEALER; False if the rank has no replay endpoint."""
@@ -287,14 +295,39 @@ class KVEventsPlane:
             # Handling it may replace this rank's replay DEALER: the old one is closed
             # and reads as idle for the rest of the turn.
             if source.kind == MONITOR:
-                if int(event["event"]) & _CONNECTED_EVENTS:
+                kind = int(event["event"])
+                if kind & _CONNECTED_EVENTS:
                     self._feed(KVPublisherConnected(source.rank))
+                elif kind & zmq.EVENT_DISCONNECTED:
+                    self._disconnected(source.rank)
             elif source.kind == LIVE:
                 self._feed(decode_live(source.rank, frames))
             else:
                 self._feed(decode_replay(source.rank, frames))
         self._next = index
         return read
+
+    def _disconnected(self, rank: int) -> None:
+        """Make a connecting SUB again (see ``REOPEN_INTERVAL_S``); a bound one is
+        reconnected by its publisher."""
+        action = self._subscriptions.get(rank)
+        if action is None or action.bind or self._loop is None:
+            return
+        now = self._loop.time()
+        due = self._reopen_at.get(rank, 0.0)
+        self._reopen_at[rank] = max(now, due) + REOPEN_INTERVAL_S
+        self._loop.call_later(max(0.0, due - now), self._reopen, action)
+
+    def _reopen(self, action: KVSubscribe) -> None:
+        if self._subscriptions.get(action.rank) is not action:
+            return  # replaced or dropped since
+        replay = self._replay.pop(action.rank, None)
+        try:
+            self.subscribe(action)
+        except zmq.ZMQError:
+            return  # the address is gone; the core's next subscription decides
+        if replay is not None:
+            self._replay[action.rank] = replay  # an answer under way stays wanted
 
     def _any_readable(self) -> bool:
         for source in self._sources():
