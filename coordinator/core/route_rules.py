@@ -82,11 +82,15 @@ class RouteRules(CoreContext):
             return []
         chosen = set(candidates)
         stepping = []
-        for lease in self.membership.leases():
-            if lease.rank not in chosen and lease.state in (
+        # Usually every rank is a candidate: no lease is looked at (each look copies it).
+        for rank in self.rank_range:
+            if rank in chosen:
+                continue
+            lease = self.membership.lease(rank)
+            if lease is not None and lease.state in (
                 RankState.READY, RankState.DRAINING, RankState.CORDONED,
             ):
-                stepping.append(lease.rank)
+                stepping.append(rank)
         return stepping
 
     def _on_route(self, identity: bytes, msg: fp.Route) -> None:

@@ -19,6 +19,10 @@ remembers what it decided:
 * the session's last rank and the recent dispatch counts (affinity and
   spreading among near-equal ranks).
 
+The lookup hashes each block of the prompt, the decision's main cost; a
+turn of a conversation takes over the keys of what it repeats from the
+previous turn's prompt (``SessionPrompts``), so it hashes only its new blocks.
+
 A decision is committed with ``commit`` once the request is handed to its
 rank (its cost joins the rank's load, its session moves there) and taken
 back with ``undo`` if the send failed. A stats report from a rank clears
@@ -52,7 +56,7 @@ from coordinator.protocol.engine_request import (
 )
 from coordinator.protocol.frontend import PromptKeys
 
-__all__ = ["PREFIX_POLICY", "PrefixRouter", "RouteCounters", "RoutePrompt"]
+__all__ = ["PREFIX_POLICY", "PrefixRouter", "RouteCounters", "RoutePrompt", "SessionPrompts"]
 
 PREFIX_POLICY = "prefix"
 """The policy name (``serve --policy prefix``)."""
@@ -93,15 +97,56 @@ class RoutePrompt:
     def prompt_tokens(self) -> int:
         return len(self.token_ids) if self.token_ids is not None else 0
 
-    def blocks(self, index: PrefixIndex) -> PromptBlocks | None:
-        """The prompt prepared for ``index``'s queries, or None if it cannot match."""
+    def blocks(self, index: PrefixIndex,
+               reuse: PromptBlocks | None = None) -> PromptBlocks | None:
+        """The prompt prepared for ``index``'s queries, or None if it cannot match;
+        ``reuse`` is an earlier prompt whose keys for shared blocks are taken over."""
         tokens = self.token_ids
         if tokens is None or not self.cacheable:
             return None
         num_blocks = max(0, len(tokens) - 1) // index.block_size
         extras = prompt_extras(num_blocks, index.block_size, lora_name=self.lora_name,
                                mm_features=self.mm_features, cache_salt=self.cache_salt)
-        return index.prompt(tokens, extras)
+        return index.prompt(tokens, extras, reuse)
+
+
+class SessionPrompts:
+    """The last prompt of each recent session, so the next turn keys only its new blocks.
+
+    A turn of a conversation repeats the previous turn's prompt and adds to it;
+    the keys of what it repeats are taken over (``PromptBlocks``), and hashing,
+    the lookup's main cost, is paid only for the new blocks. Bounded by the
+    bytes the prompts hold (least recently used first out).
+    """
+
+    def __init__(self, max_bytes: int = 64 << 20) -> None:
+        self.max_bytes = max_bytes
+        self._prompts: dict[str, PromptBlocks] = {}
+        self._bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._prompts)
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def get(self, session: str | None) -> PromptBlocks | None:
+        return None if session is None else self._prompts.get(session)
+
+    def put(self, session: str, blocks: PromptBlocks) -> None:
+        prompts = self._prompts
+        old = prompts.pop(session, None)
+        if old is not None:
+            self._bytes -= old.nbytes
+        size = blocks.nbytes
+        if size > self.max_bytes:
+            return
+        while prompts and self._bytes + size > self.max_bytes:
+            oldest = next(iter(prompts))
+            self._bytes -= prompts.pop(oldest).nbytes
+        prompts[session] = blocks
+        self._bytes += size
 
 
 @dataclass
@@ -122,6 +167,7 @@ class PrefixRouter:
         self.token_load = TokenLoad(size, config)
         self.recent = RecentDispatches(RECENT_WINDOW)
         self.sessions = SessionAffinity(MAX_SESSIONS)
+        self.prompts = SessionPrompts()
         self.counters = RouteCounters()
 
     def resize(self, size: int) -> None:
@@ -134,13 +180,15 @@ class PrefixRouter:
         if not candidates:
             return None
         cached = None
+        session = prompt.session_id if prompt is not None else None
         if prompt is not None and index is not None:
-            blocks = prompt.blocks(index)
+            blocks = prompt.blocks(index, self.prompts.get(session))
             if blocks is not None:
                 cached = index.cached_tokens(blocks, candidates)
+                if session is not None:
+                    self.prompts.put(session, blocks)
         loads = self.token_load.loads(table, candidates)
         others = self.token_load.loads(table, stepping) if stepping else ()
-        session = prompt.session_id if prompt is not None else None
         return choose_rank(
             candidates, loads, cached, prompt.prompt_tokens if prompt is not None else 0,
             self.config, session_rank=self.sessions.rank_for(session),

@@ -105,20 +105,12 @@ __all__ = [
 ]
 
 
-class CountRow(Protocol):
-    """A rank's counts from its latest stats report (``balancer.RankLoad``)."""
-
-    @property
-    def waiting(self) -> int: ...
-
-    @property
-    def running(self) -> int: ...
-
-
 class CountTable(Protocol):
     """Where the counts come from (``balancer.LoadTable``, which imports this module)."""
 
-    def load(self, rank: int) -> CountRow: ...
+    def rows(self) -> list[tuple[int, int, float]]:
+        """``(waiting, running, kv_cache_usage)`` of every rank, by rank."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -360,11 +352,13 @@ class TokenLoad:
 
     def loads(self, table: CountTable, ranks: Sequence[int]) -> list[float]:
         """``load(r)`` for each of ``ranks``, from the counts in ``table``'s rows."""
-        result = []
-        for rank in ranks:
-            row = table.load(rank)
-            result.append(self.load(rank, row.waiting, row.running))
-        return result
+        rows = table.rows()
+        pending = self._pending
+        waiting_weight = self.queued_request_tokens
+        running_weight = self._config.decode_weight
+        size = len(pending)
+        return [rows[rank][0] * waiting_weight + rows[rank][1] * running_weight
+                + (pending[rank] if rank < size else 0.0) for rank in ranks]
 
 
 class RecentDispatches:
