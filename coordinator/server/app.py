@@ -306,14 +306,15 @@ class CoordinatorServer:
         decode = DECODERS["frontend"]
         handle, clock, execute = self.core.handle, self.clock, self.execute
         observe, timed = self.decision_times.observe, (fp.Submit, fp.Route)
+        cpu_time = time.thread_time
         request_type = FrontendRequestReceived
 
         def on_frames(frames: list[bytes]) -> None:
             event = decode(frames)
             if type(event) is request_type and type(event.message) in timed:
-                started = time.perf_counter()
+                started = cpu_time()
                 actions = handle(event, clock())
-                observe(time.perf_counter() - started)
+                observe(cpu_time() - started)
             else:
                 actions = handle(event, clock())
             if actions:

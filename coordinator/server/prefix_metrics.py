@@ -125,7 +125,7 @@ def prefix_metrics(snap: ObservedState) -> Iterator[Metric]:
     for index, bound in enumerate(bounds):
         running += counts[index] if index < len(counts) else 0
         cumulative.append(("+Inf" if math.isinf(bound) else repr(bound), running))
-    yield HistogramMetricFamily(_name("route_decision_seconds"), "Time the coordinator took "
-                                "over a submit or route call: reading the prompt, the lookup, "
-                                "the choice of rank and the dispatch built on it",
+    yield HistogramMetricFamily(_name("route_decision_seconds"), "CPU time the coordinator "
+                                "took over a submit or route call: reading the prompt, the "
+                                "lookup, the choice of rank and the dispatch built on it",
                                 buckets=cumulative, sum_value=total)
