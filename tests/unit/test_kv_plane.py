@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from coordinator.core.events import KVBadMessage, KVBatchReceived, KVReplayEnded
 from coordinator.core.kv_plane import KVPlane, KVSettings
 from coordinator.core.prefix_index import PrefixIndex
 from coordinator.protocol.kv_events import (
@@ -18,7 +19,13 @@ from coordinator.protocol.kv_events import (
     KVEventBatch,
     KVSubscription,
     PublisherSettings,
+    encode_kv_batch,
+    encode_kv_frames,
+    encode_replay_batch,
+    encode_replay_end,
+    encode_seq,
 )
+from coordinator.server.planes.kv_events import decode_live, decode_replay
 
 
 def stored(count: int, *, block: int = 2, first: int = 1, parent: int | None = None,
@@ -134,3 +141,31 @@ def test_events_the_index_would_skip_whole_are_not_cut() -> None:
     plane.drain(1)
     assert plane.pending_blocks == 0
     assert plane.index is not None and plane.index.counters.skipped_blocks == 3
+
+
+# ---- the server's decoding of what publishers send ---------------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(frames=st.lists(st.binary(max_size=40), max_size=5))
+def test_anything_a_publisher_sends_becomes_an_event(frames: list[bytes]) -> None:
+    live = decode_live(3, frames)
+    assert isinstance(live, (KVBatchReceived, KVBadMessage)) and live.rank == 3
+    replayed = decode_replay(3, frames)
+    assert isinstance(replayed, (KVBatchReceived, KVReplayEnded, KVBadMessage))
+    if isinstance(replayed, (KVBatchReceived, KVBadMessage)):
+        assert replayed.replayed
+
+
+def test_decoded_publisher_messages() -> None:
+    batch = KVEventBatch(1.0, [stored(1)], 3)
+    assert decode_live(3, encode_kv_frames(7, batch)) == KVBatchReceived(3, 7, batch, 0)
+    assert decode_replay(3, encode_replay_batch(7, encode_kv_batch(batch))) == KVBatchReceived(
+        3, 7, batch, 0, replayed=True)
+    assert decode_replay(3, encode_replay_end()) == KVReplayEnded(3)
+    bad = decode_live(3, [b"", encode_seq(9), b"\xc1"])
+    assert isinstance(bad, KVBadMessage) and bad.seq == 9 and bad.error.reason == "decode"
+    unreadable = decode_live(3, [b"", b"short", b"\xc1"])
+    assert isinstance(unreadable, KVBadMessage) and unreadable.seq is None
+    bad_replay = decode_replay(3, [b"", b"", encode_seq(4), b"\xc1"])
+    assert isinstance(bad_replay, KVBadMessage) and bad_replay.seq == 4 and bad_replay.replayed
