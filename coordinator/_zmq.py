@@ -38,16 +38,35 @@ that connect over TCP only, because the coordinator leaves ipc plain and a CURVE
 client on a plain socket fails its handshake silently. Key files are the ZeroMQ
 certificate format (`NAME.key` public, `NAME.key_secret` secret), made by
 `dp-coordinator keygen`.
+
+Why a connection gets no answer
+-------------------------------
+A refused ZeroMQ peer is never told in band: its messages queue and nothing
+comes back. libzmq does tell the client's socket monitor how each ZMTP
+handshake ended, and `HandshakeMonitor` turns that into a sentence
+(`describe_handshake_failure`): the coordinator refused our CURVE key (the ZAP
+handler's status 400), it requires CURVE keys we did not give, it has no keys
+while we use some (both a mechanism mismatch), or it closed the connection in
+the middle of the handshake (a server key file that is not this coordinator's
+public key; or a mechanism mismatch the server noticed before we read its
+greeting). After a refused key or a mechanism mismatch libzmq does not
+reconnect, so no later answer can come (`HandshakeFailure.final`); a dropped
+handshake is retried, and the retry that sees a mismatch names it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
+import itertools
 import json
 import signal
+import socket
+import struct
 import sys
 import time
+import uuid
 from collections.abc import Callable, Collection, Coroutine
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
@@ -66,11 +85,16 @@ __all__ = [
     "PARENT_DEATH_SIGNAL",
     "AddressFileTimeout",
     "CurveClientKeys",
+    "HandshakeFailure",
+    "HandshakeMonitor",
     "SocketRole",
     "bind",
     "configure_client_socket",
     "connect",
+    "connect_monitored",
+    "describe_handshake_failure",
     "die_with_parent_preexec",
+    "endpoint_accepts_connections",
     "load_public_key",
     "load_secret_key",
     "read_address_file",
@@ -153,6 +177,36 @@ def connect(
         sock.close(linger=0)
         raise
     return sock
+
+
+def connect_monitored(
+    ctx: zmq.Context[_S],
+    socket_type: int,
+    address: str,
+    role: SocketRole,
+    *,
+    identity: bytes | None = None,
+    linger_ms: int | None = None,
+    curve: CurveClientKeys | None = None,
+) -> tuple[_S, HandshakeMonitor]:
+    """`connect`, with a `HandshakeMonitor` attached before the connection starts.
+
+    Close the monitor before the socket's context is terminated.
+    """
+    sock = _new_socket(ctx, socket_type, address, role, identity, linger_ms)
+    monitor: HandshakeMonitor | None = None
+    try:
+        monitor = HandshakeMonitor(sock, address,
+                                   curve=curve is not None and curve.applies_to(address))
+        if curve is not None:
+            curve.apply(sock, address)
+        sock.connect(address)
+    except BaseException:
+        if monitor is not None:
+            monitor.close()
+        sock.close(linger=0)
+        raise
+    return sock, monitor
 
 
 def bind(
@@ -247,12 +301,196 @@ class CurveClientKeys:
         load_public_key(server_key_file)
         return cls(secret_key_file, server_key_file)
 
+    @staticmethod
+    def applies_to(address: str) -> bool:
+        """Whether a socket connecting to `address` is made a CURVE client (tcp only)."""
+        # The coordinator turns CURVE on for its tcp sockets only; a CURVE client
+        # on ipc would fail its ZMTP handshake with a plain server.
+        return address.startswith("tcp://")
+
     def apply(self, sock: zmq.Socket[Any], address: str) -> None:
         """Make `sock` a CURVE client if it is about to connect over TCP."""
-        # The coordinator turns CURVE on for its tcp sockets only; a CURVE client
-        # on ipc would fail its ZMTP handshake with a plain server, silently.
-        if address.startswith("tcp://"):
+        if self.applies_to(address):
             configure_client_socket(sock, self.secret_key_file, self.server_key_file)
+
+
+# ---- why a handshake failed ------------------------------------------------------------------
+
+#: Monitor events that end a ZMTP handshake, one way or the other.
+HANDSHAKE_EVENTS: Final = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                           | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                           | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+KEY_REFUSED: Final = "key_refused"
+"""The coordinator's ZAP handler refused our CURVE key (status 400)."""
+KEY_CHECK_FAILED: Final = "key_check_failed"
+"""The coordinator's ZAP handler could not check our key (status 300 or 500)."""
+CURVE_REQUIRED: Final = "curve_required"
+"""We have no keys; the coordinator's socket requires CURVE."""
+CURVE_NOT_OFFERED: Final = "curve_not_offered"
+"""We use keys; the coordinator's socket has none."""
+CURVE_DROPPED: Final = "curve_dropped"
+"""The coordinator closed the connection during the CURVE handshake."""
+HANDSHAKE_DROPPED: Final = "dropped"
+"""The peer closed the connection during a handshake without CURVE."""
+PROTOCOL_ERROR: Final = "protocol_error"
+"""Any other ZMTP protocol error."""
+
+# ZAP status codes (RFC 27): 300 temporary failure, 400 refused, 500 internal error.
+_ZAP_TEMPORARY: Final = 300
+_ZAP_INTERNAL: Final = 500
+_KEY_OPTIONS: Final = ("--curve-secret-key and --curve-server-key on the command line, "
+                       "curve_secret_key= and curve_server_key= in the SDKs")
+
+
+@dataclass(frozen=True)
+class HandshakeFailure:
+    """Why the last ZMTP handshake of a connecting socket failed, in words."""
+
+    kind: str
+    """`KEY_REFUSED`, `KEY_CHECK_FAILED`, `CURVE_REQUIRED`, `CURVE_NOT_OFFERED`,
+    `CURVE_DROPPED`, `HANDSHAKE_DROPPED` or `PROTOCOL_ERROR`."""
+    message: str
+    """What happened and what to change, naming the address."""
+    final: bool
+    """libzmq gave this connection up (it does not reconnect after a refusal or
+    a protocol error): no answer will ever come on this socket."""
+
+
+def _protocol_error_name(value: int) -> str:
+    for name in dir(zmq):
+        if name.startswith("PROTOCOL_ERROR_") and getattr(zmq, name) == value:
+            return name[len("PROTOCOL_ERROR_"):].lower()
+    return "unknown"
+
+
+def describe_handshake_failure(
+    event: int, value: int, *, address: str, curve: bool
+) -> HandshakeFailure | None:
+    """What a socket-monitor handshake event means for a client of the coordinator.
+
+    `curve` says whether the socket is a CURVE client. None for events that are
+    not handshake failures.
+    """
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        if value in (_ZAP_TEMPORARY, _ZAP_INTERNAL):
+            what = "a temporary failure" if value == _ZAP_TEMPORARY else "an internal error"
+            return HandshakeFailure(
+                KEY_CHECK_FAILED,
+                f"the coordinator at {address} could not check our CURVE key (ZAP status "
+                f"{value}, {what}); its log says why",
+                final=True)
+        return HandshakeFailure(
+            KEY_REFUSED,
+            f"the coordinator at {address} refused our CURVE key (ZAP status {value}): "
+            "its client key directory (--curve-clients-dir) does not list this client's "
+            "public key; copy this client's NAME.key there and restart the coordinator",
+            final=True)
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH and not curve:
+            return HandshakeFailure(
+                CURVE_REQUIRED,
+                f"the coordinator at {address} requires CURVE keys: give this client's "
+                f"secret key file and the coordinator's public key file ({_KEY_OPTIONS})",
+                final=True)
+        if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+            return HandshakeFailure(
+                CURVE_NOT_OFFERED,
+                f"we use CURVE keys but the coordinator at {address} has no CURVE keys (it "
+                "runs without --curve-secret-key): connect without keys, or start the "
+                "coordinator with --curve-secret-key and --curve-clients-dir",
+                final=True)
+        return HandshakeFailure(
+            PROTOCOL_ERROR,
+            f"the ZMTP handshake with {address} failed with a protocol error "
+            f"({_protocol_error_name(value)}, {value:#x}); is that a dp-coordinator socket?",
+            final=True)
+    if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+        # The server closed first. It does so when it cannot read our CURVE hello (a
+        # wrong server key), and also, racing its own greeting, when the mechanisms
+        # differ; libzmq retries, and a mismatch is named once a retry sees it.
+        if curve:
+            return HandshakeFailure(
+                CURVE_DROPPED,
+                f"the coordinator at {address} closed the connection during the CURVE "
+                "handshake: the server key file given (--curve-server-key, "
+                "curve_server_key=) is most likely not this coordinator's public key, "
+                "or the coordinator has no CURVE keys",
+                final=False)
+        maybe_curve = (f"it most likely requires CURVE keys ({_KEY_OPTIONS}), or "
+                       if CurveClientKeys.applies_to(address) else "")
+        return HandshakeFailure(
+            HANDSHAKE_DROPPED,
+            f"the peer at {address} closed the connection during the ZMTP handshake: "
+            f"{maybe_curve}it is not a dp-coordinator socket, or it is stopping",
+            final=False)
+    return None
+
+
+_monitor_ids = itertools.count(1)
+_MONITOR_EVENT = struct.Struct("=HI")  # libzmq's first monitor frame: event id, value
+
+
+class HandshakeMonitor:
+    """How the ZMTP handshakes of one connecting socket end, from a libzmq socket monitor.
+
+    `socket` is a plain (blocking-API) PAIR that receives the events; `poll()`
+    reads what is pending without blocking and returns the latest failure not
+    followed by a successful handshake. asyncio code waits on `socket` with a
+    `zmq.asyncio.Poller`. `close()` before the context is terminated.
+    """
+
+    def __init__(self, sock: zmq.Socket[Any], address: str, *, curve: bool) -> None:
+        self.address = address
+        self.curve = curve
+        #: The latest failure with no successful handshake since; None when there is none.
+        self.failure: HandshakeFailure | None = None
+        #: Whether any handshake of this socket succeeded.
+        self.succeeded = False
+        endpoint = f"inproc://dp-coordinator-monitor-{uuid.uuid4().hex}-{next(_monitor_ids)}"
+        self._sock = sock
+        sock.monitor(endpoint, HANDSHAKE_EVENTS)
+        # A plain PAIR on the same libzmq context, so that sync and asyncio code alike
+        # can read it without waiting.
+        self.socket: zmq.Socket[bytes] = zmq.Context.shadow(sock.context.underlying).socket(
+            zmq.PAIR)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(endpoint)
+        self._closed = False
+
+    def record(self, frames: list[bytes]) -> HandshakeFailure | None:
+        """Take one monitor message; the failure it reports, if it is one."""
+        if len(frames) != 2 or len(frames[0]) != _MONITOR_EVENT.size:
+            return None
+        event, value = _MONITOR_EVENT.unpack(frames[0])
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.succeeded = True
+            self.failure = None
+            return None
+        failure = describe_handshake_failure(event, value, address=self.address,
+                                             curve=self.curve)
+        if failure is not None:
+            self.failure = failure
+        return failure
+
+    def poll(self) -> HandshakeFailure | None:
+        """Read every pending event; the latest failure not followed by a success."""
+        while not self._closed:
+            try:
+                frames = self.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self.record(frames)
+        return self.failure
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if not self._sock.closed:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sock.disable_monitor()
+        self.socket.close(linger=0)
 
 
 # ---- the event loop --------------------------------------------------------------------------
@@ -319,6 +557,35 @@ def die_with_parent_preexec() -> Callable[[], None] | None:
 
 
 # ---- the address file ------------------------------------------------------------------------
+
+
+def endpoint_accepts_connections(endpoint: str, timeout_s: float = 0.5) -> bool:
+    """Whether something accepts a connection at a ZeroMQ ipc or tcp endpoint now.
+
+    A plain socket connects and closes at once (a ZeroMQ server takes that in
+    its stride): an address file whose process died, whatever it left behind,
+    fails here at once. Other transports count as accepting (nothing to check).
+    """
+    target: str | tuple[str, int]
+    if endpoint.startswith("ipc://"):
+        path = endpoint[len("ipc://"):]
+        # libzmq's "@name" is a name in Linux's abstract socket namespace.
+        family, target = socket.AF_UNIX, "\0" + path[1:] if path.startswith("@") else path
+    elif endpoint.startswith("tcp://"):
+        host, _, port = endpoint[len("tcp://"):].rpartition(":")
+        host = host.strip("[]")
+        if not port.isdigit() or host in ("", "*"):
+            return False
+        family, target = socket.AF_INET6 if ":" in host else socket.AF_INET, (host, int(port))
+    else:
+        return True
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.settimeout(timeout_s)
+            probe.connect(target)
+    except OSError:
+        return False
+    return True
 
 
 class AddressFileTimeout(TimeoutError):

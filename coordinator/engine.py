@@ -35,7 +35,11 @@ DEALER for the coordinator's dispatch socket (the first `inputs` entry: the
 coordinator lists it first in INIT), the XSUB on `coordinator_input` and the
 PUSH on `coordinator_output`. Sockets to frontends stay plain, since the
 frontends own them, and so do ipc connections, which the coordinator never
-encrypts (ipc is guarded by file permissions).
+encrypts (ipc is guarded by file permissions). During start-up a socket monitor
+watches the handshake DEALER and the XSUB: a coordinator that refuses our key,
+requires keys we lack or has none while we use some fails `start()` at once with
+`EngineHandshakeFailed`, which says so, instead of a timeout; a CURVE handshake
+the coordinator keeps dropping (a wrong server key) is named at the timeout.
 
 After startup, requests arrive on every input DEALER and, for START_DP_WAVE, on
 the XSUB. `coordinator.protocol.engine_input` decodes them into small records
@@ -71,7 +75,14 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from coordinator._zmq import ENGINE, CurveClientKeys, connect
+from coordinator._zmq import (
+    ENGINE,
+    CurveClientKeys,
+    HandshakeFailure,
+    HandshakeMonitor,
+    connect,
+    connect_monitored,
+)
 from coordinator.protocol.engine_input import (
     AbortRequests,
     AddRequest,
@@ -108,6 +119,7 @@ __all__ = [
     "AddRequest",
     "CurveClientKeys",
     "EngineAgent",
+    "EngineHandshakeFailed",
     "EngineRefused",
     "EngineStartupError",
     "EngineStartupTimeout",
@@ -138,11 +150,33 @@ class EngineStartupError(RuntimeError):
 
 
 class EngineStartupTimeout(EngineStartupError):
-    """A startup step got no answer in time; `stage` says which one."""
+    """A startup step got no answer in time; `stage` says which one.
 
-    def __init__(self, stage: str, message: str) -> None:
+    `handshake_failure`: why the last handshake with the coordinator failed, if
+    one did (a server key that is not the coordinator's, most often); the
+    message ends with it.
+    """
+
+    def __init__(self, stage: str, message: str,
+                 handshake_failure: HandshakeFailure | None = None) -> None:
+        if handshake_failure is not None:
+            message = f"{message} Its last handshake failed: {handshake_failure.message}"
         super().__init__(message)
         self.stage = stage
+        self.handshake_failure = handshake_failure
+
+
+class EngineHandshakeFailed(EngineStartupError):
+    """A connection to the coordinator failed its ZMTP handshake (CURVE keys, mostly).
+
+    `failure` says why; `stage` is the start-up step that was waiting, as for
+    `EngineStartupTimeout`.
+    """
+
+    def __init__(self, stage: str, failure: HandshakeFailure, rank: int) -> None:
+        super().__init__(f"rank {rank}: {failure.message}")
+        self.stage = stage
+        self.failure = failure
 
 
 class EngineRefused(EngineStartupError):
@@ -257,6 +291,7 @@ class EngineAgent:
         self.heartbeats_sent = 0
 
         self._handshake: zmq.asyncio.Socket | None = None
+        self._handshake_monitors: list[HandshakeMonitor] = []
         self._inputs: list[zmq.asyncio.Socket] = []
         self._coord_sub: zmq.asyncio.Socket | None = None
         self._coord_push: zmq.asyncio.Socket | None = None
@@ -303,7 +338,7 @@ class EngineAgent:
         if self._ctx is None:
             self._ctx = zmq.asyncio.Context()
         ctx = self._ctx
-        self._handshake = connect(
+        self._handshake, monitor = connect_monitored(
             ctx,
             zmq.DEALER,
             self.handshake_address,
@@ -312,6 +347,7 @@ class EngineAgent:
             linger_ms=_HANDSHAKE_LINGER_MS if self.vllm_shaped else 0,
             curve=self.curve,
         )
+        self._handshake_monitors.append(monitor)
         hello = HandshakeMessage(
             status="HELLO",
             local=self.local,
@@ -359,7 +395,7 @@ class EngineAgent:
         ]
         if addresses.coordinator_input is not None:
             # vLLM sets the identity on this XSUB too; it has no effect there.
-            self._coord_sub = connect(
+            self._coord_sub, monitor = connect_monitored(
                 ctx,
                 zmq.XSUB,
                 addresses.coordinator_input,
@@ -367,6 +403,7 @@ class EngineAgent:
                 identity=self.identity,
                 curve=self.curve,
             )
+            self._handshake_monitors.append(monitor)
             await self._coord_sub.send(SUBSCRIBE)
 
         greeting = encode_ready_response(self._make_ready_response(addresses))
@@ -401,6 +438,7 @@ class EngineAgent:
             if not isinstance(reply, HandshakeAccepted):
                 raise EngineStartupError(f"expected ACCEPTED in reply to READY, got {reply!r}")
         # Like vLLM, the handshake socket is done once READY is out.
+        self._close_handshake_monitors()
         self._handshake.close()
         self._handshake = None
 
@@ -436,12 +474,13 @@ class EngineAgent:
         sock = self._handshake
         if sock is None:
             raise EngineStartupError("handshake socket is closed")
-        if not await sock.poll(timeout=int(timeout_s * 1000)):
+        if not await self._readable(sock, timeout_s, stage):
             what = "INIT reply to HELLO" if stage == "init" else "reply to READY"
             raise EngineStartupTimeout(
                 stage,
                 f"rank {self.rank}: no {what} from {self.handshake_address} within "
                 f"{timeout_s:g} s; is the coordinator running and reachable there?",
+                self._handshake_failure(),
             )
         frames = await sock.recv_multipart()
         if len(frames) != 1:
@@ -468,7 +507,7 @@ class EngineAgent:
         deadline = loop.time() + self.ready_timeout_s
         while True:
             remaining = deadline - loop.time()
-            if remaining <= 0 or not await sock.poll(timeout=max(1, int(remaining * 1000))):
+            if remaining <= 0 or not await self._readable(sock, remaining, "coordinator_ready"):
                 dp_size = self.parallel_config.get("data_parallel_size")
                 group = f"all {dp_size} ranks" if isinstance(dp_size, int) else "every rank"
                 raise EngineStartupTimeout(
@@ -476,7 +515,8 @@ class EngineAgent:
                     f"rank {self.rank}: no READY from the coordinator on "
                     f"{addresses.coordinator_input} within {self.ready_timeout_s:g} s; the "
                     f"coordinator releases engines only once {group} of the group have "
-                    f"subscribed there, so check that the other engines are running",
+                    f"subscribed there, so check that the other engines are running.",
+                    self._handshake_failure(),
                 )
             frames = await sock.recv_multipart()
             if frames and frames[0] == READY:
@@ -486,6 +526,41 @@ class EngineAgent:
                 self.rank,
             )
             early.append(frames)
+
+    async def _readable(self, sock: zmq.asyncio.Socket, timeout_s: float, stage: str) -> bool:
+        """Wait up to `timeout_s` for a message on `sock`; False when none came.
+
+        Raises EngineHandshakeFailed as soon as a connection to the coordinator
+        failed for good.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        poller = zmq.asyncio.Poller()
+        poller.register(sock, zmq.POLLIN)
+        for monitor in self._handshake_monitors:
+            poller.register(monitor.socket, zmq.POLLIN)
+        while True:
+            remaining = deadline - loop.time()
+            ready = {}
+            if remaining > 0:
+                ready = dict(await poller.poll(max(1, int(remaining * 1000))))
+            failure = self._handshake_failure()
+            if failure is not None and failure.final:
+                raise EngineHandshakeFailed(stage, failure, self.rank)
+            if sock in ready:
+                return True
+            if not ready:
+                return False
+
+    def _handshake_failure(self) -> HandshakeFailure | None:
+        """The first failure of the start-up sockets' latest handshakes (final ones first)."""
+        failures = [f for m in self._handshake_monitors if (f := m.poll()) is not None]
+        return min(failures, key=lambda f: not f.final, default=None)
+
+    def _close_handshake_monitors(self) -> None:
+        monitors, self._handshake_monitors = self._handshake_monitors, []
+        for monitor in monitors:
+            monitor.close()
 
     def _spawn(self, coro: Any, name: str) -> None:
         self._tasks.append(asyncio.get_running_loop().create_task(coro, name=name))
@@ -630,6 +705,7 @@ class EngineAgent:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         linger_ms = max(0, int(linger_s * 1000))
+        self._close_handshake_monitors()
         sockets: list[zmq.asyncio.Socket] = [*self._inputs, *self._output_pushes]
         for maybe in (self._handshake, self._coord_sub, self._coord_push):
             if maybe is not None:

@@ -34,7 +34,9 @@ reported to the user and, in batches, to the coordinator with `Finished`, which
 frees the coordinator's routing entry for each.
 
 Every wait is bounded: each call takes a `timeout` (default `call_timeout_s`) and
-raises `CoordinatorTimeout` when the coordinator does not answer in time.
+raises `CoordinatorTimeout` when the coordinator does not answer in time (naming a
+failed handshake, such as a wrong server key, if there was one). A refused CURVE
+key, or keys on one side only, raises `HandshakeFailed` at once instead.
 """
 
 from __future__ import annotations
@@ -56,7 +58,15 @@ from typing import Any, TypeVar
 import zmq
 import zmq.asyncio
 
-from coordinator._zmq import CLIENT, OUTPUTS, CurveClientKeys, bind, connect
+from coordinator._zmq import (
+    CLIENT,
+    OUTPUTS,
+    CurveClientKeys,
+    HandshakeFailure,
+    HandshakeMonitor,
+    bind,
+    connect_monitored,
+)
 from coordinator.protocol import frontend as fp
 from coordinator.protocol import vllm
 from coordinator.protocol.addresses import tcp_endpoint
@@ -71,6 +81,7 @@ __all__ = [
     "FrontendClient",
     "FrontendClosed",
     "FrontendError",
+    "HandshakeFailed",
     "InvalidRequest",
     "Notice",
     "RegisterError",
@@ -99,12 +110,26 @@ class FrontendClosed(FrontendError):
 
 
 class CoordinatorTimeout(FrontendError, TimeoutError):
-    """The coordinator did not answer within the call's timeout."""
+    """No answer within the call's timeout; `handshake_failure` says why, if a handshake failed."""
 
-    def __init__(self, what: str, timeout_s: float) -> None:
-        super().__init__(f"no answer from the coordinator to {what} within {timeout_s:g} s")
+    def __init__(self, what: str, timeout_s: float,
+                 handshake_failure: HandshakeFailure | None = None) -> None:
+        why = f": {handshake_failure.message}" if handshake_failure is not None else ""
+        super().__init__(f"no answer from the coordinator to {what} within {timeout_s:g} s{why}")
         self.what = what
         self.timeout_s = timeout_s
+        self.handshake_failure = handshake_failure
+
+
+class HandshakeFailed(FrontendError, ConnectionError):
+    """The connection to the coordinator failed its handshake (CURVE keys); `failure` says why.
+
+    `failure.final`: libzmq gave the connection up; make a new client with the right keys.
+    """
+
+    def __init__(self, failure: HandshakeFailure) -> None:
+        super().__init__(failure.message)
+        self.failure = failure
 
 
 class InvalidRequest(FrontendError, ValueError):
@@ -252,6 +277,8 @@ class FrontendClient:
         self._dealer: zmq.asyncio.Socket | None = None
         self._pull: zmq.asyncio.Socket | None = None
         self._sub: zmq.asyncio.Socket | None = None
+        self._dealer_handshakes: HandshakeMonitor | None = None
+        self._sub_handshakes: HandshakeMonitor | None = None
         self._pending: dict[int, asyncio.Future[fp.FrontendReply]] = {}
         self._call_ids = itertools.count(1)
         self._finished_q: asyncio.Queue[FinishedRequest] = asyncio.Queue(max_queued)
@@ -304,6 +331,7 @@ class FrontendClient:
         self._spawn(self._pull_loop(), "outputs")
         self._spawn(self._publish_loop(), "publishes")
         self._spawn(self._report_loop(), "finished")
+        self._spawn(self._handshake_loop(), "handshakes")
 
     def _open_sockets(self) -> None:
         if self.host is None:
@@ -316,10 +344,11 @@ class FrontendClient:
         self._pull, self.output_address = bind(self._ctx, zmq.PULL, endpoint, OUTPUTS)
         # A fixed identity survives reconnects (a restarted coordinator sees the same
         # peer), so failure notices for requests sent earlier still find this client.
-        self._dealer = connect(self._ctx, zmq.DEALER, self.frontend_address, CLIENT,
-                               identity=b"fe" + uuid.uuid4().bytes[:8], curve=self.curve)
-        self._sub = connect(self._ctx, zmq.XSUB, self.publish_address, CLIENT,
-                            curve=self.curve)
+        self._dealer, self._dealer_handshakes = connect_monitored(
+            self._ctx, zmq.DEALER, self.frontend_address, CLIENT,
+            identity=b"fe" + uuid.uuid4().bytes[:8], curve=self.curve)
+        self._sub, self._sub_handshakes = connect_monitored(
+            self._ctx, zmq.XSUB, self.publish_address, CLIENT, curve=self.curve)
 
     async def close(self, timeout: float = 1.0) -> None:
         """Report pending finished ids (best effort), stop, close every socket."""
@@ -339,6 +368,9 @@ class FrontendClient:
             if not future.done():
                 future.set_exception(FrontendClosed("the client was closed"))
         self._pending.clear()
+        for monitor in (self._dealer_handshakes, self._sub_handshakes):
+            if monitor is not None:
+                monitor.close()
         for sock in (self._dealer, self._pull, self._sub):
             if sock is not None:
                 sock.close(linger=0)
@@ -384,14 +416,11 @@ class FrontendClient:
         dp_rank: int | None = None,
         wave: int | None = None,
         timeout: float | None = None,
-        prompt: fp.PromptKeys | None = None,
     ) -> fp.Submitted:
         """Send one request (payload frames go to the engine untouched).
 
         The header carries `wave` (by default the newest published wave), which the
-        coordinator uses to tell a stale first request from a current one, and
-        `prompt` when the payload is not a vLLM ADD the coordinator can read
-        itself (prefix-cache routing; docs/PROTOCOL.md).
+        coordinator uses to tell a stale first request from a current one.
         Raises SubmitError with the coordinator's code when it refuses.
         """
         if not payload_frames:
@@ -401,8 +430,8 @@ class FrontendClient:
         self._submitting[request_id] = self._submitting.get(request_id, 0) + 1
         try:
             reply = await self._call(
-                lambda call_id: [fp.encode(fp.Submit(call_id, request_id, stamped, dp_rank,
-                                                     prompt)), *frames],
+                lambda call_id: [fp.encode(fp.Submit(call_id, request_id, stamped, dp_rank)),
+                                 *frames],
                 f"submit {request_id!r}", timeout, SubmitError,
             )
         finally:
@@ -421,22 +450,6 @@ class FrontendClient:
         if submitted.woke:
             self.stats["submits_that_woke"] += 1
         return submitted
-
-    async def route(self, request_id: str, *, ranks: Sequence[int] | None = None,
-                    prompt: fp.PromptKeys | None = None,
-                    timeout: float | None = None) -> fp.Routed:
-        """Ask which rank should take a request this frontend sends to an engine itself.
-
-        The answer is counted on that rank as if the coordinator had dispatched
-        it. Raises SubmitError with the coordinator's code when it cannot answer.
-        """
-        reply = await self._call(
-            lambda call_id: [fp.encode(fp.Route(call_id, request_id,
-                                                None if ranks is None else list(ranks),
-                                                prompt))],
-            f"route {request_id!r}", timeout, SubmitError,
-        )
-        return _expect(reply, fp.Routed, "route")
 
     async def abort(self, request_ids: Sequence[str], *,
                     timeout: float | None = None) -> list[str]:
@@ -482,6 +495,7 @@ class FrontendClient:
         dealer = self._dealer
         if dealer is None:
             raise FrontendClosed("the client is closed")
+        self._raise_if_refused(self._dealer_handshakes)
         limit = self.call_timeout_s if timeout is None else timeout
         call_id = next(self._call_ids)
         frames = build(call_id)
@@ -500,7 +514,8 @@ class FrontendClient:
                 reply = await asyncio.wait_for(future, max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
                 self.stats["timeouts"] += 1
-                raise CoordinatorTimeout(what, limit) from None
+                raise CoordinatorTimeout(what, limit, _failure(self._dealer_handshakes)) \
+                    from None
         finally:
             self._pending.pop(call_id, None)
         if isinstance(reply, fp.ErrorReply):
@@ -515,9 +530,11 @@ class FrontendClient:
         limit = self.call_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + limit
         while not predicate(self):
+            self._raise_if_refused(self._sub_handshakes)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise CoordinatorTimeout("a publish matching the condition", limit)
+                raise CoordinatorTimeout("a publish matching the condition", limit,
+                                         _failure(self._sub_handshakes))
             self._publish_seen.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._publish_seen.wait(), remaining)
@@ -570,6 +587,37 @@ class FrontendClient:
                 log.exception("on_notice callback failed")
             return
         _put(self._notice_q, notice, self.stats, "notices_dropped")
+
+    # ------------------------------------------------------------ handshakes
+
+    @staticmethod
+    def _raise_if_refused(monitor: HandshakeMonitor | None) -> None:
+        failure = _failure(monitor)
+        if failure is not None and failure.final:
+            raise HandshakeFailed(failure)
+
+    async def _handshake_loop(self) -> None:
+        """Fail waiting calls at once when a handshake with the coordinator fails for good."""
+        monitors = [m for m in (self._dealer_handshakes, self._sub_handshakes) if m is not None]
+        poller = zmq.asyncio.Poller()
+        for monitor in monitors:
+            poller.register(monitor.socket, zmq.POLLIN)
+        while monitors:
+            await poller.poll()
+            for monitor in list(monitors):
+                failure = monitor.poll()
+                if failure is None or not failure.final:
+                    continue
+                monitors.remove(monitor)  # libzmq gave this connection up: said once
+                poller.unregister(monitor.socket)
+                self.stats[f"handshake_failed.{failure.kind}"] += 1
+                log.warning("frontend %d: %s", self.client_index, failure.message)
+                if monitor is self._dealer_handshakes:
+                    for future in self._pending.values():
+                        if not future.done():
+                            future.set_exception(HandshakeFailed(failure))
+                else:
+                    self._publish_seen.set()  # wait_for() looks again and raises
 
     # ------------------------------------------------------------ readers
 
@@ -717,6 +765,10 @@ class FrontendClient:
                 self.on_publish(self)
             except Exception:
                 log.exception("on_publish callback failed")
+
+
+def _failure(monitor: HandshakeMonitor | None) -> HandshakeFailure | None:
+    return monitor.poll() if monitor is not None else None
 
 
 def _abort_builder(request_ids: list[str]) -> Callable[[int], list[bytes]]:

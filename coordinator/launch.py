@@ -11,11 +11,21 @@ Stopping never raises: SIGTERM, a wait of `timeout` but at least a short grace
 (a coordinator stops in milliseconds, and one that gets the chance closes its
 sockets and removes its files), then SIGKILL. Whatever the child could not
 clean up, the launch directory goes with the handle.
+
+Discovery. A coordinator started for someone else (vLLM's launcher, through
+the drop-in) has its address file in a private launch directory. A copy is
+published as `dp-coordinator-<deployment>.json` in `discovery_dir()`: vLLM's
+RPC base path (`VLLM_RPC_BASE_PATH`, else the temporary directory), where vLLM
+puts its own ipc sockets. `find_coordinators()` lists those files and says
+which ones still answer, so the operator tools find a coordinator with no
+arguments on its host.
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
+import json
 import os
 import shutil
 import signal
@@ -26,7 +36,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
-from coordinator._zmq import AddressFileTimeout, wait_for_address_file
+from coordinator._zmq import (
+    AddressFileTimeout,
+    endpoint_accepts_connections,
+    read_address_file,
+    wait_for_address_file,
+)
 from coordinator.protocol.addresses import SOCKET_KEYS
 
 SIGTERM_GRACE_S: Final = 2.0
@@ -295,3 +310,109 @@ def launch(
             raise LaunchError(f"{exc}; its log ends:\n{handle.stderr_tail()}") from None
         raise
     return handle
+
+
+# ---- discovery -------------------------------------------------------------------------------
+
+DISCOVERY_PREFIX: Final = "dp-coordinator-"
+DISCOVERY_SUFFIX: Final = ".json"
+
+
+def discovery_dir() -> str:
+    """Where published address files go: vLLM's RPC base path, as vLLM 0.33 chooses it.
+
+    `VLLM_RPC_BASE_PATH` when set, else the temporary directory (`TMPDIR`, else /tmp).
+    """
+    return os.environ.get("VLLM_RPC_BASE_PATH") or tempfile.gettempdir()
+
+
+def discovery_path(deployment: str, directory: str | None = None) -> str:
+    """`<directory>/dp-coordinator-<deployment>.json` (directory: `discovery_dir()`)."""
+    if not deployment or os.sep in deployment or deployment.startswith("."):
+        raise ValueError(f"a deployment name must be a plain file name part, got {deployment!r}")
+    return os.path.join(directory or discovery_dir(),
+                        f"{DISCOVERY_PREFIX}{deployment}{DISCOVERY_SUFFIX}")
+
+
+@dataclass(frozen=True)
+class PublishedAddresses:
+    """An address file published for discovery; `remove()` deletes it if it is still ours."""
+
+    path: str
+    device: int
+    inode: int
+
+    def remove(self) -> None:
+        """Delete the file unless another coordinator has replaced it since. Never raises."""
+        with contextlib.suppress(OSError):
+            status = os.stat(self.path)
+            if (status.st_dev, status.st_ino) == (self.device, self.inode):
+                os.unlink(self.path)
+
+
+def publish_addresses(
+    addresses: dict[str, str], deployment: str, *, fallback: str,
+    directory: str | None = None,
+) -> PublishedAddresses | None:
+    """Publish `addresses` as `discovery_path(deployment)`; None if that cannot be done.
+
+    A file of that name whose coordinator still answers is left alone, as is one
+    this user may not replace (another user's, in a shared /tmp): the copy is
+    then named after `deployment-fallback`. Written atomically, so readers never
+    see half a file. Never raises: discovery is a convenience, start-up goes on.
+    """
+    for name in (deployment, f"{deployment}-{fallback}"):
+        try:
+            path = discovery_path(name, directory)
+        except ValueError:
+            return None
+        existing = read_address_file(path, ("frontend",))
+        if existing is not None and endpoint_accepts_connections(existing["frontend"]):
+            continue
+        published = _write_atomically(path, addresses)
+        if published is not None:
+            return published
+    return None
+
+
+def _write_atomically(path: str, addresses: dict[str, str]) -> PublishedAddresses | None:
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".dp-coordinator-", dir=os.path.dirname(path))
+    except OSError:
+        return None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump(addresses, handle, indent=2, sort_keys=True)
+            handle.write("\n")
+        os.replace(tmp, path)
+        status = os.stat(path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        return None
+    return PublishedAddresses(path, status.st_dev, status.st_ino)
+
+
+@dataclass(frozen=True)
+class FoundCoordinator:
+    """A published address file and whether its coordinator answers."""
+
+    path: str
+    addresses: dict[str, str]
+    answering: bool
+    """Something accepts connections at its `frontend` address."""
+
+
+def find_coordinators(directory: str | None = None, *,
+                      probe_timeout_s: float = 0.5) -> list[FoundCoordinator]:
+    """Every published address file in `directory` (`discovery_dir()`), by path."""
+    pattern = os.path.join(glob.escape(directory or discovery_dir()),
+                           f"{DISCOVERY_PREFIX}*{DISCOVERY_SUFFIX}")
+    found = []
+    for path in sorted(glob.glob(pattern)):
+        addresses = read_address_file(path, SOCKET_KEYS)
+        if addresses is None:
+            continue  # not an address file (or a partial one): not ours to judge
+        answering = endpoint_accepts_connections(addresses["frontend"], probe_timeout_s)
+        found.append(FoundCoordinator(path, addresses, answering))
+    return found

@@ -33,6 +33,12 @@ local host instead of ipc, and sockets that other hosts able to reach the
 master ip can reach too; in every mixed layout vLLM already binds one of its
 coordinator sockets there.
 
+Discovery. The child's address file lives in its private launch directory; a
+copy is published as ``dp-coordinator-<data_parallel_master_port>.json`` under
+vLLM's RPC base path (`coordinator.launch.discovery_dir`), so ``dp-coordinator
+status`` and ``top`` find the coordinator on this host with no arguments. The
+copy goes at shutdown.
+
 Nothing here imports vLLM.
 """
 
@@ -55,9 +61,11 @@ from coordinator.launch import (
     LAUNCHER_FLAGS,
     CoordinatorHandle,
     LauncherFlagError,
+    PublishedAddresses,
     describe_flags,
     find_flags,
     launch,
+    publish_addresses,
     serve_option_names,
 )
 from coordinator.protocol.addresses import is_loopback_host
@@ -120,6 +128,8 @@ class ParallelSettings:
     """vLLM's name for "external or hybrid load balancing": each API server
     manages only its own node's engines and may run on another node."""
     enable_elastic_ep: bool = False
+    data_parallel_master_port: int | None = None
+    """The torch DP meeting point's port; it names the published address file."""
 
     @property
     def engines_all_local(self) -> bool:
@@ -137,6 +147,10 @@ class ParallelSettings:
             )
         if not self.data_parallel_master_ip:
             raise ValueError("data_parallel_master_ip must not be empty")
+        port = self.data_parallel_master_port
+        if port is not None and (type(port) is not int or not 0 <= port <= 65535):
+            raise ValueError(f"data_parallel_master_port must be an int in [0, 65535], "
+                             f"got {port!r}")
 
 
 def resolve_parallel_settings(
@@ -149,6 +163,7 @@ def resolve_parallel_settings(
     data_parallel_external_lb: bool | None = None,
     data_parallel_hybrid_lb: bool | None = None,
     enable_elastic_ep: bool | None = None,
+    data_parallel_master_port: int | None = None,
 ) -> ParallelSettings:
     """Settings from a ParallelConfig-like object, each overridden by a keyword if given.
 
@@ -182,6 +197,9 @@ def resolve_parallel_settings(
         ),
         local_engines_only=bool(pick(local_engines_only, "local_engines_only", lb_default)),
         enable_elastic_ep=bool(pick(enable_elastic_ep, "enable_elastic_ep", False)),
+        data_parallel_master_port=pick(  # type: ignore[arg-type]  # checked by validate()
+            data_parallel_master_port, "data_parallel_master_port", None
+        ),
     )
     settings.validate()
     return settings
@@ -430,12 +448,15 @@ def _stop_coordinator(
     owned_ipc_dir: str | None,
     timeout: float | None,
     owner_pid: int,
+    published: PublishedAddresses | None = None,
 ) -> None:
     if os.getpid() != owner_pid:
         # A forked copy of the owner (vLLM forks API servers and engines) must not
         # stop the coordinator or delete its sockets when the copy exits.
         return
     try:
+        if published is not None:
+            published.remove()  # first: a stopping coordinator is not to be found
         handle.shutdown(timeout=timeout)
     finally:
         if forwarder is not None:
@@ -466,6 +487,11 @@ class DPCoordinatorProcess:
     `extra_args` are passed on to `dp-coordinator serve` (`--log-level` there
     wins); the flags of `DROPIN_FLAGS`, which the drop-in sets itself, are
     refused at once with a `ValueError` naming them.
+
+    Once up, the addresses are published for discovery (`discovery_file`, None
+    if that failed): ``dp-coordinator-<data_parallel_master_port>.json`` under
+    vLLM's RPC base path, or ``dp-coordinator-<master port>-<pid>.json`` when a
+    live coordinator already holds that name (``pid<pid>`` without a master port).
     """
 
     def __init__(
@@ -481,6 +507,7 @@ class DPCoordinatorProcess:
         data_parallel_external_lb: bool | None = None,
         data_parallel_hybrid_lb: bool | None = None,
         enable_elastic_ep: bool | None = None,
+        data_parallel_master_port: int | None = None,
         vllm_compat: str = "0.33",
         ipc_dir: str | None = None,
         extra_args: Sequence[str] = (),
@@ -498,6 +525,7 @@ class DPCoordinatorProcess:
             data_parallel_external_lb=data_parallel_external_lb,
             data_parallel_hybrid_lb=data_parallel_hybrid_lb,
             enable_elastic_ep=enable_elastic_ep,
+            data_parallel_master_port=data_parallel_master_port,
         )
         self.plan = plan_transports(self.settings)
         self.enable_wave_coordination = bool(enable_wave_coordination)
@@ -559,12 +587,19 @@ class DPCoordinatorProcess:
         except BaseException:
             _stop_coordinator(handle, forwarder, owned_ipc_dir, 2.0, os.getpid())
             raise
+        port = self.settings.data_parallel_master_port
+        published = publish_addresses(
+            self.addresses, str(port) if port is not None else f"pid{handle.pid}",
+            fallback=str(handle.pid))
+        self.discovery_file: str | None = published.path if published is not None else None
+        self._published = published
         self._forwarder = forwarder
         self._owned_ipc_dir = owned_ipc_dir
         self._owner_pid = os.getpid()
         # Like vLLM's: the process goes when this object does, or at interpreter exit.
         self._finalizer = weakref.finalize(
-            self, _stop_coordinator, handle, forwarder, owned_ipc_dir, 5.0, self._owner_pid
+            self, _stop_coordinator, handle, forwarder, owned_ipc_dir, 5.0, self._owner_pid,
+            published,
         )
 
     @staticmethod
@@ -596,7 +631,7 @@ class DPCoordinatorProcess:
         """
         if self._finalizer.detach() is not None:
             _stop_coordinator(self._handle, self._forwarder, self._owned_ipc_dir,
-                              timeout, self._owner_pid)
+                              timeout, self._owner_pid, self._published)
 
     # -- extras --
 

@@ -270,6 +270,15 @@ def recv_frames(sock: zmq.Socket[bytes], timeout: float) -> list[bytes] | None:
     return None
 
 
+def is_lease_probe(frames: Sequence[bytes]) -> bool:
+    """The coordinator's liveness probe on `dispatch`: an ABORT of no request ids.
+
+    A vLLM engine aborts nothing on it; for the coordinator, a send that fails
+    means the rank's connection is gone.
+    """
+    return len(frames) == 2 and frames[0] == ABORT and frames[1] == pack([])
+
+
 def drain(sock: zmq.Socket[bytes], duration: float) -> list[list[bytes]]:
     """Everything that arrives on `sock` during `duration` seconds."""
     got: list[list[bytes]] = []
@@ -423,9 +432,20 @@ class RawEngine:
         assert frames is not None, f"rank {self.rank}: nothing on back_publish in {timeout} s"
         return frames
 
-    def recv_dispatch(self, timeout: float) -> list[bytes] | None:
+    def recv_dispatch(self, timeout: float, *, skip_probes: bool = True) -> list[bytes] | None:
+        """The next message on `dispatch` within `timeout` seconds, or None.
+
+        The coordinator probes a quiet rank's connection with an empty ABORT
+        (`is_lease_probe`) whenever its lease timer says so, which can be just
+        before the message a test waits for; those are skipped unless
+        `skip_probes` is False.
+        """
         assert self.dispatch is not None
-        return recv_frames(self.dispatch, timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            frames = recv_frames(self.dispatch, max(0.0, deadline - time.monotonic()))
+            if frames is None or not skip_probes or not is_lease_probe(frames):
+                return frames
 
     def report(self, payload: bytes) -> None:
         assert self.push is not None

@@ -14,8 +14,6 @@ import argparse
 import sys
 import time
 
-import zmq
-
 from coordinator.cli.common import (
     StateQuery,
     StatusError,
@@ -23,7 +21,6 @@ from coordinator.cli.common import (
     read_frontend_address,
 )
 from coordinator.protocol import frontend as fp
-from coordinator.protocol.errors import ProtocolError
 
 EXIT_OK = 0
 EXIT_REFUSED = 1
@@ -33,29 +30,16 @@ EXIT_ERROR = 2
 class AdminClient(StateQuery):
     """The state query's DEALER, also sending admin commands."""
 
-    def _next_reply(self, deadline: float) -> fp.FrontendReply | None:
-        remaining_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
-        if remaining_ms <= 0 or not self._sock.poll(remaining_ms, zmq.POLLIN):
-            return None
-        frames = self._sock.recv_multipart()
-        if len(frames) != 1:
-            return None
-        try:
-            return fp.decode_reply(frames[0])
-        except ProtocolError:
-            return None
-
     def command(self, command: fp.AdminCommand, rank: int, timeout_s: float) -> fp.AdminDone:
         call_id = next(self._call_ids)
-        self._sock.send(fp.encode(fp.Admin(call_id, command, rank)), zmq.NOBLOCK)
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            reply = self._next_reply(deadline)
+        self._send(fp.Admin(call_id, command, rank), timeout_s)
+        while True:
+            reply = self._next_reply(deadline, timeout_s)
             if isinstance(reply, fp.AdminDone) and reply.call_id == call_id:
                 return reply
             if isinstance(reply, fp.ErrorReply) and reply.call_id == call_id:
                 raise AdminRefused(reply.message)
-        raise StatusError(self._silent(timeout_s))
 
     def in_flight(self, rank: int, timeout_s: float) -> int:
         for engine in self.query(timeout_s).engines:

@@ -13,9 +13,12 @@ While the load runs, a live view shows every rank's published load, its state
 from a state query, how many requests went to it and finished on it, and the
 wave. At the end a summary says how many requests were submitted, completed,
 failed and lost, how many waves ran, how evenly the work was spread and how long
-the wake of a paused group took. The exit code is 0 only when nothing was lost
-and no hang was seen (no stall in completions, no collective hang reported by an
-engine). Every child process is stopped on the way out, also on Ctrl-C.
+the wake of a paused group took. In lockstep mode the demo then asks the
+coordinator until the group is paused (every wave ended once the work was done)
+and counts the waves up to that point. The exit code is 0 only when nothing was
+lost and no hang was seen (no stall in completions, no collective hang reported
+by an engine, no wave still running `DEMO_PAUSE_WAIT_S` after the last request
+finished). Every child process is stopped on the way out, also on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -59,6 +63,10 @@ DEMO_STEPS_MAX = 128
 # `python -m coordinator.sim`'s exit status when an engine died of a collective hang.
 SIM_EXIT_HANG = 3
 
+# Once every request finished, a lockstep group ends its wave within a few steps;
+# one still running after this long is stuck.
+DEMO_PAUSE_WAIT_S = 10.0
+
 
 @dataclass
 class DemoResult:
@@ -67,6 +75,8 @@ class DemoResult:
     sim_exit: int | None = None
     coordinator_counters: dict[str, int] = field(default_factory=dict)
     error: str | None = None
+    group_paused: bool | None = None
+    """Lockstep only: whether the coordinator said the group paused after the run."""
 
     @property
     def engine_hangs(self) -> int:
@@ -75,7 +85,8 @@ class DemoResult:
     @property
     def hang_detected(self) -> bool:
         stalls = self.summary.stalls if self.summary is not None else 0
-        return stalls > 0 or self.engine_hangs > 0 or self.sim_exit == SIM_EXIT_HANG
+        return (stalls > 0 or self.engine_hangs > 0 or self.sim_exit == SIM_EXIT_HANG
+                or self.group_paused is False)
 
     @property
     def healthy(self) -> bool:
@@ -221,7 +232,9 @@ def summary_tables(result: DemoResult) -> Group:
             ("submit timeouts", str(s.submit_timeouts)),
             ("lost", str(s.lost)),
             ("waves completed", f"{s.waves_completed} (wave {s.first_wave} -> {s.last_wave})"),
-            ("balance ratio (mean/max steps)", _fmt(s.balance_ratio)),
+            ("group paused at the end", {None: "-", True: "yes",
+                                         False: "no: a wave never ended"}[result.group_paused]),
+            ("balance ratio (mean/max decode steps)", _fmt(s.balance_ratio)),
             ("submits that woke the group", str(s.wakes)),
             ("wake: submit -> reply p50 / p99",
              f"{_fmt(s.wake_reply_ms_p50, ' ms')} / {_fmt(s.wake_reply_ms_p99, ' ms')}"),
@@ -321,12 +334,28 @@ async def _run(args: argparse.Namespace, console: Console, result: DemoResult,
                     await poller
         with contextlib.suppress(FrontendError):
             state = await gen.clients[0].query_state(timeout=2.0)
+            if not args.no_wave_coordination and result.summary is not None:
+                state = await _wait_for_pause(gen, state)
+                result.group_paused = not state.running
+                # Count the waves up to the settled state, not up to the last publish.
+                result.summary = dataclasses.replace(
+                    result.summary, last_wave=state.wave,
+                    waves_completed=max(0, state.wave - result.summary.first_wave))
             result.coordinator_counters = dict(state.counters)
     finally:
         if result.summary is None and gen.records:
             # Interrupted or failed mid-run: still say what happened so far.
             result.summary = gen.summary()
         await gen.close()
+
+
+async def _wait_for_pause(gen: LoadGenerator, state: fp.GroupState) -> fp.GroupState:
+    """The coordinator's state once the group paused, or after `DEMO_PAUSE_WAIT_S`."""
+    deadline = time.monotonic() + DEMO_PAUSE_WAIT_S
+    while state.running and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+        state = await gen.clients[0].query_state(timeout=2.0)
+    return state
 
 
 async def _main(args: argparse.Namespace, console: Console, result: DemoResult,
@@ -439,6 +468,7 @@ def run_demo(args: argparse.Namespace) -> int:
             "engines": result.engine_reports,
             "coordinator_counters": result.coordinator_counters,
             "hang_detected": result.hang_detected,
+            "group_paused": result.group_paused,
             "healthy": result.healthy,
             "error": result.error,
         }

@@ -85,7 +85,8 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
                    "(default: the advertised host, 127.0.0.1 for ipc)")
     p.add_argument("--master-port", type=int, default=None,
                    help="data_parallel_master_port sent in INIT (default: a free port "
-                   "found at start-up)")
+                   "found at start-up on the advertised host; with --master-ip, give it "
+                   "too, since 0 is sent otherwise)")
     p.add_argument("--coord-store-port", type=int, default=None,
                    help="_coord_store_port sent in INIT (elastic EP; default: not sent)")
     p.add_argument("--vllm-compat", default="0.33", choices=["0.33", "legacy"],

@@ -1,11 +1,13 @@
 """`dp-coordinator status`: ask a running coordinator for its state and print it.
 
 One DEALER connects to the `frontend` address from the coordinator's address
-file and sends `QueryState`; the `StateReply` is printed as tables (group,
-ranks, counters) or, with `--json`, as one JSON object. `--watch` repeats the
-query every `--interval` seconds until Ctrl-C. Exit code 1, with a message that
-says what to check, when the address file is unusable or the coordinator does not
-answer within `--timeout`.
+file (without `--addr-file`, the one coordinator vLLM's plugin started on this
+host, see `coordinator.cli.common.discover_addr_file`) and sends `QueryState`;
+the `StateReply` is printed as tables (group, ranks, counters) or, with
+`--json`, as one JSON object. `--watch` repeats the query every `--interval`
+seconds until Ctrl-C. Exit code 1, with a message that says what to check, when
+the address file is unusable or the coordinator does not answer within
+`--timeout`.
 """
 
 from __future__ import annotations
@@ -22,16 +24,20 @@ from rich.table import Table
 from rich.text import Text
 
 from coordinator.cli.common import (
+    STATE_STYLES,
     StateQuery,
     StatusError,
     add_curve_client_arguments,
+    discover_addr_file,
     read_frontend_address,
+    shown_state,
 )
 from coordinator.protocol import frontend as fp
 from coordinator.protocol.frontend import group_state_to_builtins
 
 EXIT_OK = 0
 EXIT_ERROR = 1
+ENGINE_ID_CHARS = 8  # enough to tell incarnations apart; the whole id is in --json
 
 
 def add_status_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -41,8 +47,10 @@ def add_status_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         description="Ask a running coordinator (over its frontend socket) for membership, "
         "loads, wave and counters, and print them.",
     )
-    p.add_argument("--addr-file", required=True, metavar="F",
-                   help="the coordinator's address file")
+    p.add_argument("--addr-file", default=None, metavar="F",
+                   help="the coordinator's address file (default: find the coordinator "
+                   "vLLM's plugin started on this host, under VLLM_RPC_BASE_PATH or the "
+                   "temporary directory)")
     p.add_argument("--watch", action="store_true", help="keep the view live (Ctrl-C ends)")
     p.add_argument("--interval", type=float, default=1.0, help="refresh period for --watch")
     p.add_argument("--json", action="store_true", help="print the raw state as JSON")
@@ -52,6 +60,12 @@ def add_status_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def state_tables(state: fp.GroupState) -> Group:
+    """The group line, the rank table and the counters.
+
+    The rank table fits 80 columns with the widest values (a state name, five
+    digits of load): no value is ever cut; a narrower terminal wraps values
+    instead of truncating them.
+    """
     mode = "lockstep" if state.lockstep else "dense"
     flag = Text("running", style="green") if state.running else Text("paused", style="yellow")
     header = Text.assemble(
@@ -61,25 +75,32 @@ def state_tables(state: fp.GroupState) -> Group:
     )
     if state.shutting_down:
         header.append("   SHUTTING DOWN", style="bold red")
-    ranks = Table(title="engines", title_justify="left")
-    for name in ("rank", "state", "engine id", "waiting", "running", "kv", "dispatched*",
+    # No box: two spaces between columns is what lets the widest values fit 80
+    # columns. A state name never wraps; the other columns wrap on a narrow screen.
+    ranks = Table(title="engines", title_justify="left", box=None, pad_edge=False,
+                  header_style="bold")
+    for name in ("rank", "state", "engine id", "waiting", "running", "kv", "sent*",
                  "in flight", "last seen"):
-        ranks.add_column(name, justify="left" if name in ("state", "engine id") else "right")
+        ranks.add_column(name, justify="left" if name in ("state", "engine id") else "right",
+                         no_wrap=name == "state", overflow="fold")
     for e in state.engines:
-        style = {"ready": "green", "handshaking": "cyan", "draining": "yellow",
-                 "cordoned": "yellow"}.get(e.state, "red")
+        shown = shown_state(e.state, e.in_flight)
         ranks.add_row(
-            str(e.rank), Text(e.state, style=style), (e.engine_id or "-")[:12],
+            str(e.rank), Text(shown, style=STATE_STYLES.get(shown, "bold red")),
+            (e.engine_id or "-")[:ENGINE_ID_CHARS],
             str(e.waiting), str(e.running), f"{e.kv_cache_usage:.0%}",
             str(e.dispatched_since_report), str(e.in_flight),
-            "-" if e.last_seen_age_s is None else f"{e.last_seen_age_s:.1f} s ago",
+            "-" if e.last_seen_age_s is None else f"{e.last_seen_age_s:.1f}s",
         )
     parts: list[Any] = [header, ranks,
-                        Text("* dispatched since the rank's last stats report", style="dim")]
+                        Text("sent*: dispatched since the rank's last stats report; "
+                             "drained: draining with nothing in flight; last seen: seconds "
+                             "since its last traffic", style="dim")]
     if state.counters:
-        counters = Table(title="counters", title_justify="left", show_header=False)
-        counters.add_column("counter")
-        counters.add_column("value", justify="right")
+        counters = Table(title="counters", title_justify="left", show_header=False,
+                         box=None, pad_edge=False)
+        counters.add_column("counter", overflow="fold")
+        counters.add_column("value", justify="right", no_wrap=True)
         for key, value in sorted(state.counters.items()):
             counters.add_row(key, str(value))
         parts.append(counters)
@@ -93,7 +114,7 @@ def state_json(state: fp.GroupState) -> str:
 def run_status(args: argparse.Namespace) -> int:
     console = Console()
     try:
-        address = read_frontend_address(args.addr_file)
+        address = read_frontend_address(args.addr_file or discover_addr_file())
     except StatusError as exc:
         print(f"dp-coordinator status: {exc}", file=sys.stderr, flush=True)
         return EXIT_ERROR

@@ -3,9 +3,15 @@
 Reads the coordinator's state either from its HTTP `/state` endpoint (`--url`,
 which also carries waves started, per-rank dispatch totals and the hang
 watchdog) or over its frontend socket with a `QueryState` (`--addr-file`, which
-needs no HTTP port). Each refresh shows the group's wave, every rank's state and
-load, and rates computed from the previous refresh: dispatches per second and
-waves per second. `--once` prints one frame and exits.
+needs no HTTP port; with neither, the coordinator vLLM's plugin started on this
+host, found as `status` finds it). Each refresh shows the group's wave, every
+rank's state and load, and rates computed from the previous refresh: dispatches
+per second and waves per second. `--once` prints one frame and exits.
+
+"dispatched" means the same whatever the source: requests the coordinator sent
+since it started, in total (its `submit.dispatched` counter) and per rank (only
+`/state` carries per-rank totals; over the frontend socket that column shows
+"-"). A draining rank with nothing in flight shows as `drained`.
 """
 
 from __future__ import annotations
@@ -28,10 +34,13 @@ from rich.table import Table
 from rich.text import Text
 
 from coordinator.cli.common import (
+    STATE_STYLES,
     StateQuery,
     StatusError,
     add_curve_client_arguments,
+    discover_addr_file,
     read_frontend_address,
+    shown_state,
 )
 from coordinator.core.balancer import balance_ratio
 from coordinator.protocol import frontend as fp
@@ -39,9 +48,6 @@ from coordinator.protocol import frontend as fp
 EXIT_OK = 0
 EXIT_ERROR = 1
 DISPATCH_COUNTER = "submit.dispatched"
-
-_STATE_STYLES = {"ready": "green", "handshaking": "cyan", "draining": "yellow",
-                 "cordoned": "yellow", "absent": "dim"}
 
 
 class TopError(Exception):
@@ -57,9 +63,9 @@ class TopRank:
     kv_cache_usage: float
     in_flight: int
     dispatched: int | None
-    """Total dispatched to the rank (HTTP source only)."""
+    """Dispatched to the rank since the coordinator started (HTTP source only)."""
     dispatched_since_report: int | None
-    """Dispatched since the rank's last stats report (frontend source only)."""
+    """Dispatched since the rank's last stats report (frontend source only; not shown)."""
     report_age_s: float | None
     cached_blocks: int | None = None
     """Blocks the prefix index holds for the rank (HTTP source, KV events followed)."""
@@ -172,7 +178,9 @@ def frame_from_state_json(data: Mapping[str, Any], *, taken_at: float, source: s
         running=bool(data.get("running")),
         lockstep=bool(data.get("lockstep", True)),
         ranks=ranks,
-        counters={str(k): _int(v) for k, v in counters.items()}
+        # The coordinator's counters start absent: one it reports without the
+        # dispatch counter has dispatched nothing yet.
+        counters={DISPATCH_COUNTER: 0, **{str(k): _int(v) for k, v in counters.items()}}
         if isinstance(counters, Mapping) else {},
         waves_total=_int(waves_total) if waves_total is not None else None,
         watchdog=[a for a in watchdog if isinstance(a, dict)]
@@ -200,7 +208,7 @@ def frame_from_group_state(state: fp.GroupState, *, taken_at: float, source: str
             )
             for e in state.engines
         ],
-        counters=dict(state.counters),
+        counters={DISPATCH_COUNTER: 0, **state.counters},
         frontends=state.frontends,
         shutting_down=state.shutting_down,
     )
@@ -256,14 +264,14 @@ class FrontendSource:
 
     def __init__(
         self,
-        addr_file: str,
+        addr_file: str | None,
         timeout_s: float,
         *,
         curve_secret_key: str | None = None,
         curve_server_key: str | None = None,
     ) -> None:
         try:
-            address = read_frontend_address(addr_file)
+            address = read_frontend_address(addr_file or discover_addr_file())
             self._query = StateQuery(address, curve_secret_key=curve_secret_key,
                                      curve_server_key=curve_server_key)
         except (StatusError, ValueError) as exc:
@@ -309,38 +317,36 @@ def render(frame: TopFrame, rates: Rates, *, error: str | None = None) -> Render
         ("dispatches/s ", "bold"), _fmt_rate(rates.dispatches_per_s),
         ("   waves/s ", "bold"), _fmt_rate(rates.waves_per_s),
         ("   balance ", "bold"), f"{balance_ratio(ready):.2f}" if ready else "-",
-        ("   dispatched ", "bold"),
+        ("   dispatched in total ", "bold"),
         "-" if frame.dispatched_total is None else str(frame.dispatched_total),
     )
     table = Table(box=None, pad_edge=False, header_style="bold")
     cached_column = any(r.cached_blocks is not None for r in frame.ranks)
     for name in ("rank", "state", "waiting", "running", "kv", "dispatched", "in flight",
-                 "report age", *(("cached blocks",) if cached_column else ())):
-        table.add_column(name, justify="left" if name == "state" else "right")
-    since_only = False
+                 "report age", *(("cached",) if cached_column else ())):
+        table.add_column(name, justify="left" if name == "state" else "right",
+                         no_wrap=name == "state", overflow="fold")
     for r in frame.ranks:
-        if r.dispatched is not None:
-            dispatched = str(r.dispatched)
-        elif r.dispatched_since_report is not None:
-            dispatched = f"+{r.dispatched_since_report}"
-            since_only = True
-        else:
-            dispatched = "-"
+        shown = shown_state(r.state, r.in_flight)
         table.add_row(
-            str(r.rank), Text(r.state, style=_STATE_STYLES.get(r.state, "bold red")),
-            str(r.waiting), str(r.running), f"{r.kv_cache_usage:.0%}", dispatched,
+            str(r.rank), Text(shown, style=STATE_STYLES.get(shown, "bold red")),
+            str(r.waiting), str(r.running), f"{r.kv_cache_usage:.0%}",
+            "-" if r.dispatched is None else str(r.dispatched),
             str(r.in_flight), "-" if r.report_age_s is None else f"{r.report_age_s:.1f}s",
             *((str(r.cached_blocks) if r.cached_blocks is not None else "-",)
               if cached_column else ()),
         )
+    totals_only = any(r.dispatched is None for r in frame.ranks)
     parts: list[RenderableType] = [header, rate_line]
     prefix_line = _prefix_line(frame)
     if prefix_line is not None:
         parts.append(prefix_line)
-    parts.append(table)
-    if since_only:
-        parts.append(Text("+N: dispatched since the rank's last report; report age: last "
-                          "traffic from the rank", style="dim"))
+    parts += [table, Text(
+        "dispatched: requests sent since the coordinator started"
+        + (" (per rank only over --url)" if totals_only else "")
+        + "; drained: draining with nothing in flight"
+        + ("; cached: blocks in the rank's prefix cache" if cached_column else ""),
+        style="dim")]
     parts.append(_watchdog_line(frame.watchdog))
     if error is not None:
         parts.append(Text(f"{error}; showing the last reading", style="bold red"))
@@ -395,12 +401,13 @@ def add_top_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         "age), wave and running flag, dispatch and wave rates, and the hang watchdog, "
         "refreshed live until Ctrl-C.",
     )
-    where = p.add_mutually_exclusive_group(required=True)
+    where = p.add_mutually_exclusive_group()
     where.add_argument("--url", metavar="URL",
                        help="the coordinator's HTTP endpoint (serve --metrics-port), e.g. "
                        "http://127.0.0.1:9100/state; shows the watchdog and wave counts too")
     where.add_argument("--addr-file", metavar="F",
-                       help="the coordinator's address file: ask over its frontend socket")
+                       help="the coordinator's address file: ask over its frontend socket "
+                       "(default: find the coordinator vLLM's plugin started on this host)")
     p.add_argument("--interval", type=float, default=1.0, metavar="S",
                    help="refresh period in seconds (default 1)")
     p.add_argument("--timeout", type=float, default=5.0, metavar="S",

@@ -3,8 +3,8 @@
 The drop-in is built the way vLLM's launcher builds its coordinator, stock
 vLLM-shaped engines pass the gate on its engine sockets and report stats, and
 then the document's claims are tried from outside, with the command line a
-reader would use: the coordinator is found from its command line and its
-address file under the temp dir; `status` and `top` show the ranks' loads,
+reader would use: the coordinator's address file is published under vLLM's RPC
+base path, and `status` and `top` find it with no arguments and show the ranks' loads,
 with every rank `absent`; `/healthz` answers 200 and `/readyz` never does;
 `cordon` is refused. The `serve` commands the document shows parse.
 """
@@ -41,6 +41,7 @@ class Config:
     data_parallel_size = 2
     data_parallel_size_local = 2
     data_parallel_master_ip = "127.0.0.1"
+    data_parallel_master_port = 29533
     data_parallel_external_lb = False
     data_parallel_hybrid_lb = False
     enable_elastic_ep = False
@@ -68,11 +69,12 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture
 def plugin_route(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[DPCoordinatorProcess, int]]:
-    """A drop-in with metrics on, its launch directory in a private temp dir, and two
-    engines past the gate; rank 0 reported (waiting 3, running 1)."""
+    """A drop-in with metrics on, its launch directory and vLLM's RPC base path in a
+    private temp dir, and two engines past the gate; rank 0 reported (waiting 3, running 1)."""
     scratch = tempfile.mkdtemp(prefix="tmp-")
     port = free_port()
     monkeypatch.setattr(tempfile, "tempdir", scratch)
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", scratch)
     monkeypatch.setenv("DP_COORDINATOR_SERVE_ARGS", f"--metrics-port {port}")
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     coord = DPCoordinatorProcess(Config(), log_sink=None, startup_timeout=20.0)
@@ -101,20 +103,14 @@ def test_a_plugin_started_coordinator_is_found_and_shown_as_documented(
     plugin_route: tuple[DPCoordinatorProcess, int],
 ) -> None:
     coord, port = plugin_route
-    # "the coordinator's command line names it (ps -ww -o args= -p N shows --addr-file)"
-    ps = subprocess.run(["ps", "-ww", "-o", "args=", "-p", str(coord.proc.pid)],
-                        capture_output=True, text=True, timeout=10, check=True)
-    words = shlex.split(ps.stdout)
-    assert "--addr-file" in words, ps.stdout
-    addr_file = words[words.index("--addr-file") + 1]
-    # "addresses.json in a dp-coordinator-launch-* directory under the temporary directory"
-    (found,) = glob.glob(os.path.join(tempfile.gettempdir(), "dp-coordinator-launch-*",
-                                      "addresses.json"))
-    assert found == addr_file
+    # "dp-coordinator-<port>.json in vLLM's RPC base path", port = data_parallel_master_port
+    (found,) = glob.glob(os.path.join(os.environ["VLLM_RPC_BASE_PATH"], "dp-coordinator-*.json"))
+    assert os.path.basename(found) == "dp-coordinator-29533.json" == \
+        os.path.basename(coord.discovery_file or "")
 
     deadline = time.monotonic() + 5.0
-    while True:  # the stats report is in once status shows it
-        status = run("status", "--addr-file", found, "--json")
+    while True:  # the stats report is in once status, with no arguments, shows it
+        status = run("status", "--json")
         assert status.returncode == 0, status.stderr
         state = json.loads(status.stdout)
         if state["engines"][0]["waiting"] == 3:
@@ -125,9 +121,9 @@ def test_a_plugin_started_coordinator_is_found_and_shown_as_documented(
     assert state["engines"][0]["running"] == 1
     assert state["in_flight"] == 0 and state["frontends"] == 0
 
-    top = run("top", "--once", "--url", f"http://127.0.0.1:{port}")
-    assert top.returncode == 0, top.stderr
-    assert re.search(r"^\s*0\s+absent\s+3\s+1\b", top.stdout, re.MULTILINE), top.stdout
+    for top in (run("top", "--once"), run("top", "--once", "--url", f"http://127.0.0.1:{port}")):
+        assert top.returncode == 0, top.stderr
+        assert re.search(r"^\s*0\s+absent\s+3\s+1\b", top.stdout, re.MULTILINE), top.stdout
 
     base = f"http://127.0.0.1:{port}"
     assert http_status(base + "/healthz") == 200

@@ -85,13 +85,16 @@ async def test_once_shows_every_rank_of_a_live_coordinator() -> None:
         out = buffer.getvalue()
         assert code == 0, out
         rows = rank_rows(out)
-        assert rows["0"][:7] == ["0", "ready", "3", "2", "50%", "+0", "0"], out
-        assert rows["1"][:7] == ["1", "ready", "0", "7", "25%", "+0", "0"], out
+        # Per-rank dispatch totals are not in a state reply: "-", never another quantity.
+        assert rows["0"][:7] == ["0", "ready", "3", "2", "50%", "-", "0"], out
+        assert rows["1"][:7] == ["1", "ready", "0", "7", "25%", "-", "0"], out
+        assert "dispatched in total 0" in out
         assert "wave 0 paused" in out
         assert "lockstep   ranks 2" in out
         assert handle.addresses["frontend"] in out
         assert "watchdog: not available over the frontend socket" in out
-        assert "+N: dispatched since the rank's last report" in out
+        assert "dispatched: requests sent since the coordinator started (per rank only over " \
+            "--url)" in out
     finally:
         for agent in agents:
             await agent.close(linger_s=0)
@@ -160,7 +163,8 @@ def test_once_from_state_shows_totals_and_the_watchdog(endpoints: HttpEndpoints)
     assert rows["1"] == ["1", "ready", "1", "4", "25%", "32", "2", "0.2s"]
     assert "frontends 2" in out
     assert "waves started 7" in out
-    assert "dispatched 42" in out
+    assert "dispatched in total 42" in out
+    assert "(per rank only over --url)" not in out
     assert "dispatches/s -" in out  # one reading: no rate yet
     assert "no_progress: wave 4 is believed running" in out
     assert endpoints.url + "/state" in out
