@@ -14,9 +14,9 @@ with the protocol package's typed decoders and hands the core the result:
   logging and any reply are the core's decision too.
 
 KV cache events from the engines' publishers come as ``KVBatchReceived``,
-``KVReplayEnded`` and ``KVBadMessage``, and ``KVPublisherConnected`` when a
-connection to one comes up; ``KVDrain`` asks the core to apply one bounded
-slice of the queued ones.
+``KVReplayEnded`` and ``KVBadMessage``, and ``KVPublisherConnected`` or
+``KVPublisherDisconnected`` when a connection to one comes up or ends;
+``KVDrain`` asks the core to apply one bounded slice of the queued ones.
 
 Outcomes of sends come back as ``SendFailed`` (always) and ``SendSucceeded``
 (only for a ``Send`` the core marked ``confirm``), right after the send and
@@ -136,6 +136,12 @@ class KVPublisherConnected(msgspec.Struct, frozen=True, gc=False):
     rank: int
 
 
+class KVPublisherDisconnected(msgspec.Struct, frozen=True, gc=False):
+    """The connection to ``rank``'s KV event publisher ended."""
+
+    rank: int
+
+
 class KVDrain(msgspec.Struct, frozen=True, gc=False):
     """Apply queued KV events to the prefix index, one bounded slice."""
 
@@ -211,6 +217,7 @@ Event: TypeAlias = (
     | KVReplayEnded
     | KVBadMessage
     | KVPublisherConnected
+    | KVPublisherDisconnected
     | KVDrain
     | BadFrame
     | SendFailed

@@ -9,8 +9,8 @@ undecodable message or new connection goes through the rank's stream machine
 (``core.kv_stream``), whose effects are carried out here: applied batches are
 queued for the index (applied in slices on ``KVDrain``), losses reset the
 rank's index, and missed batches are asked for (``KVRequestReplay``). A rank
-that dies or is replaced has its index emptied by ``CoreContext`` and its
-stream started again.
+that dies or is replaced, or whose publisher's connection ends, has its index
+emptied and its stream started again (``CoreContext`` for the first two).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from coordinator.core.events import (
     KVBatchReceived,
     KVDrain,
     KVPublisherConnected,
+    KVPublisherDisconnected,
     KVReplayEnded,
 )
 from coordinator.core.kv_plane import Subscription
@@ -149,6 +150,20 @@ class KVRules(CoreContext):
             return
         self.counters["kv.connections"] += 1
         self._kv_effects(event.rank, kv.streams.connected(event.rank, now))
+
+    def _on_kv_publisher_disconnected(self, event: KVPublisherDisconnected, now: float) -> None:
+        """Whoever connects next may be a new publisher process, which numbers its batches
+        from 0 again; ``seq`` alone cannot always tell (a restart's first batches can be
+        lost while the subscription is set up), so the rank starts again from scratch:
+        the next connection catches up by replay, as at start-up."""
+        kv = self.kv
+        if kv is None or event.rank not in kv.streams:
+            return
+        blocks = kv.reset_rank(event.rank, "publisher_disconnected")
+        kv.streams.reset(event.rank)
+        self._log(INFO, "dp_rank=%d: KV event publisher disconnected; its index (%d blocks) "
+                  "starts again from the next connection", event.rank, blocks,
+                  key=f"kv-disconnected:{event.rank}")
 
     def _on_kv_drain(self, event: KVDrain, now: float) -> None:
         kv = self.kv

@@ -38,10 +38,10 @@ Restarts. A live ``seq`` at or before one already seen means a new
 publisher process (an engine restart: ``seq`` starts again at 0): the index
 is reset and the batch is taken as the first one of a new stream. ``seq``
 is all the wire says, so a new publisher whose batches up to the old
-position were all lost would pass for the old one; a restarted engine loads
-its model before it publishes again, long after its subscriber reconnected,
-so its first batch is seen. Where engines register with the coordinator, a
-restarted engine is also a new incarnation, which resets the rank anyway.
+position were all lost would pass for the old one: the caller also resets a
+rank whose publisher's connection ended (a new process has a new
+connection), and where engines register with the coordinator, a restarted
+engine is a new incarnation, which resets the rank too.
 
 Connections. When the subscriber's connection to a publisher comes up (at
 start, or again after it dropped), batches may have gone by unseen, and a

@@ -28,7 +28,7 @@ EVENT_KINDS: Final = ("stored", "removed", "cleared", "unknown")
 BAD_REASONS: Final = ("decode", "bad_value", "frame_count", "unexpected_type")
 REPLAY_OUTCOMES: Final = ("filled", "incomplete", "timed_out")
 RESET_CAUSES: Final = ("gap", "replay_incomplete", "replay_timeout", "publisher_restart",
-                       "bad_batch", "rank_gone", "rank_replaced")
+                       "bad_batch", "rank_gone", "rank_replaced", "publisher_disconnected")
 ROUTE_REASONS: Final = tuple(reason.value for reason in RouteReason)
 
 

@@ -15,6 +15,7 @@ from coordinator.core.events import (
     KVBadMessage,
     KVBatchReceived,
     KVPublisherConnected,
+    KVPublisherDisconnected,
     KVReplayEnded,
 )
 from coordinator.core.kv_plane import KVSettings
@@ -290,6 +291,21 @@ def test_a_new_connection_asks_for_what_went_by() -> None:
     driver.feed(KV_DRAIN)
     assert cached(driver, 0) == 4
     assert driver.core.counter_values()["kv.connections"] == 1
+
+
+def test_a_publisher_whose_connection_ends_starts_again_from_scratch() -> None:
+    driver = start()
+    publish(driver, 0, 0, stored(PROMPT))
+    publish(driver, 0, 1, stored([3] * BLOCK, first_hash=50))
+    driver.feed(KVPublisherDisconnected(0))
+    driver.feed(KVPublisherDisconnected(9))  # not followed: nothing
+    assert cached(driver, 0) == 0
+    assert driver.core.counter_values()["kv.resets.publisher_disconnected"] == 1
+    # A new process numbers from 0 again, and may have lost its first batches to the
+    # new subscription: whatever comes first starts the stream afresh.
+    driver.kv_actions.clear()
+    publish(driver, 0, 2, stored(PROMPT, first_hash=70))
+    assert driver.kv_actions == [KVRequestReplay(0, 0)]
 
 
 def test_a_replay_that_never_ends_is_given_up_at_the_timer() -> None:

@@ -4,8 +4,8 @@ The core says which publishers to follow (``KVSubscribe``, ``KVUnsubscribe``)
 and when to ask one for missed batches (``KVRequestReplay``); this plane owns
 the sockets and turns what they deliver into events: ``KVBatchReceived``,
 ``KVReplayEnded`` and ``KVBadMessage`` (with the batch's number when it was
-readable), and ``KVPublisherConnected`` when a SUB's connection comes up (a
-socket monitor per SUB). It decides nothing.
+readable), and ``KVPublisherConnected`` / ``KVPublisherDisconnected`` when a
+SUB's connection comes up or ends (a socket monitor per SUB). It decides nothing.
 
 Bounds. Every socket has ``MAXMSGSIZE`` (a larger message costs the sender its
 connection) and a receive high-water mark (``LIVE_HWM`` messages on a SUB,
@@ -40,6 +40,7 @@ from coordinator.core.events import (
     KVBadMessage,
     KVBatchReceived,
     KVPublisherConnected,
+    KVPublisherDisconnected,
     KVReplayEnded,
 )
 from coordinator.protocol.addresses import is_ipv6_tcp
@@ -299,6 +300,7 @@ class KVEventsPlane:
                 if kind & _CONNECTED_EVENTS:
                     self._feed(KVPublisherConnected(source.rank))
                 elif kind & zmq.EVENT_DISCONNECTED:
+                    self._feed(KVPublisherDisconnected(source.rank))
                     self._disconnected(source.rank)
             elif source.kind == LIVE:
                 self._feed(decode_live(source.rank, frames))
