@@ -20,9 +20,10 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from coordinator.engine import AddRequest, EngineAgent
+from coordinator.engine import AddRequest, EngineAgent, default_ready_response
 from coordinator.frontend import FrontendClient
 from coordinator.launch import CoordinatorHandle, launch
+from coordinator.protocol import frontend as fp
 from coordinator.protocol.kv_events import AllBlocksCleared, BlockStored
 from tests.integration.kv_publishers import Publisher, bind_publishers
 from tests.unit.test_engine_request import add_fields
@@ -226,3 +227,56 @@ async def test_a_publishers_garbage_is_counted_and_the_stream_goes_on(rig: Rig) 
     await rig.wait_counter("kv.connections", lambda v: v >= 3)
     await rig.wait_counter("prefix_index.stored_blocks", lambda v: v >= 5)
     assert await rig.submit("after-garbage", [*PROMPT, 1]) == 1
+
+
+async def test_engines_that_announce_their_publishers_are_followed_there(
+    tmp_path: Path,
+) -> None:
+    """No --kv-events-endpoint: each engine's greeting on dispatch names its publisher
+    (a wildcard host, as vLLM reports `tcp://*:PORT`) and its block size; the
+    coordinator, on tcp, follows it on the host the engine connected from."""
+    ctx = zmq.asyncio.Context()
+    publishers, live, replay = bind_publishers(ctx, ENGINES)
+    handle = launch(engines=ENGINES, host="127.0.0.1", addr_file=str(tmp_path / "a.json"),
+                    timeout=20.0, extra_args=["--policy", "prefix"])
+    agents = []
+    try:
+        for rank in range(ENGINES):
+            greeting = default_ready_response(rank, ENGINES)
+            greeting.block_size = BLOCK
+            greeting.kv_events_config = {
+                "enable_kv_cache_events": True, "publisher": "zmq",
+                "endpoint": f"tcp://*:{live + rank}",
+                "replay_endpoint": f"tcp://*:{replay + rank}", "topic": ""}
+            agents.append(EngineAgent(handle.addresses["handshake"], rank,
+                                      ready_response=greeting, heartbeat_interval_s=0.2,
+                                      handshake_timeout_s=STEP, ready_timeout_s=STEP,
+                                      accept_timeout_s=STEP))
+        await asyncio.wait_for(asyncio.gather(*(a.start() for a in agents)), STEP * 2)
+        for publisher in publishers:
+            await publisher.wait_subscribed()
+        publishers[1].publish(stored(PROMPT, 10))
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(handle.addresses["frontend"])
+        deadline = time.monotonic() + STEP
+        while True:
+            await sock.send(fp.encode(fp.QueryState(1)))
+            assert await sock.poll(int(STEP * 1000))
+            state = fp.decode_reply(await sock.recv())
+            assert isinstance(state, fp.StateReply)
+            if state.state.counters.get("prefix_index.stored_blocks", 0) >= 4:
+                break
+            assert time.monotonic() < deadline, state.state.counters
+            await asyncio.sleep(0.02)
+        await sock.send(fp.encode(fp.Route(2, "q", None, fp.PromptKeys([*PROMPT, 1]))))
+        assert await sock.poll(int(STEP * 1000))
+        assert fp.decode_reply(await sock.recv()) == fp.Routed(2, "q", 1, "prefix")
+        sock.close(0)
+    finally:
+        for agent in agents:
+            await asyncio.wait_for(agent.close(linger_s=0.0), STEP)
+        for publisher in publishers:
+            publisher.close()
+        ctx.term()
+        assert handle.shutdown(timeout=5.0) == 0, handle.stderr_text()[-3000:]
