@@ -581,12 +581,9 @@ class PrefixIndex:
         data, step, extras = prompt._bytes, prompt._step, prompt._extras
         parent = keys[index - 1] if index else ROOT_KEY
         while alive and index < limit:
-            if index < len(keys):
-                key = keys[index]
-            else:
-                extra = extras[index] if extras is not None else b""
-                key = hash((parent, data[index * step : (index + 1) * step], extra))
-                keys.append(key)
+            extra = extras[index] if extras is not None else b""
+            key = hash((parent, data[index * step : (index + 1) * step], extra))
+            keys.append(key)
             parent = key
             held = get_owners(key, 0) & alive
             if held != alive:

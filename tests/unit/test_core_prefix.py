@@ -127,6 +127,14 @@ def test_a_greeting_teaches_the_block_size_and_an_unreachable_publisher_is_repor
     assert "inproc" in driver.log_text()
 
 
+def test_an_unreadable_greeting_is_counted_and_the_configured_publisher_kept() -> None:
+    driver = start()
+    driver.kv_actions.clear()
+    driver.feed(EngineGreeted(0, None, None, kv_unreadable=True))
+    assert driver.core.counter_values()["kv.unreadable_greetings"] == 1
+    assert driver.kv_actions == []
+
+
 def test_without_a_block_size_the_first_stored_block_sets_it() -> None:
     driver = start(block_size=None)
     publish(driver, 0, 0, stored(PROMPT))

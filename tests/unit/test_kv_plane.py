@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.core.events import KVBadMessage, KVBatchReceived, KVReplayEnded
+from coordinator.core.events import EngineGreeted, KVBadMessage, KVBatchReceived, KVReplayEnded
 from coordinator.core.kv_plane import KVPlane, KVSettings
 from coordinator.core.prefix_index import PrefixIndex
+from coordinator.core.router import SessionPrompts
 from coordinator.protocol.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -25,6 +27,7 @@ from coordinator.protocol.kv_events import (
     encode_replay_end,
     encode_seq,
 )
+from coordinator.server.planes import dispatch
 from coordinator.server.planes.kv_events import decode_live, decode_replay
 
 
@@ -169,3 +172,29 @@ def test_decoded_publisher_messages() -> None:
     assert isinstance(unreadable, KVBadMessage) and unreadable.seq is None
     bad_replay = decode_replay(3, [b"", b"", encode_seq(4), b"\xc1"])
     assert isinstance(bad_replay, KVBadMessage) and bad_replay.seq == 4 and bad_replay.replayed
+
+
+def test_the_dispatch_greeting_is_read_for_its_kv_settings_and_the_engines_host() -> None:
+    greeting = msgspec.msgpack.encode({"block_size": 32, "kv_events_config": {
+        "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557"}})
+    event = dispatch.decode([b"\x01\x00", greeting], "10.0.0.7")
+    assert event == EngineGreeted(1, GreetingKV(32, PublisherSettings(True, "zmq",
+                                                                      "tcp://*:5557")),
+                                  "10.0.0.7")
+    assert dispatch.decode([b"\x01\x00", b""]) == EngineGreeted(1)
+    assert dispatch.decode([b"\x01\x00", b"\xc1"]) == EngineGreeted(1, kv_unreadable=True)
+    assert dispatch.decode([b"\x01\x00", b"a", b"b"]) == EngineGreeted(1)  # not one frame
+
+
+def test_session_prompts_are_bounded_by_the_bytes_they_hold() -> None:
+    index = PrefixIndex(2)
+    prompts = SessionPrompts(max_bytes=3 * index.prompt([1] * 41).nbytes)
+    for session in "abc":
+        prompts.put(session, index.prompt([1] * 41))
+    assert len(prompts) == 3 and prompts.nbytes <= prompts.max_bytes
+    prompts.put("a", index.prompt([2] * 41))  # replaced, and now the newest
+    prompts.put("d", index.prompt([3] * 41))  # b, the oldest, makes room
+    assert prompts.get("b") is None and prompts.get("a") is not None
+    assert prompts.get(None) is None
+    prompts.put("huge", index.prompt([1] * 4001))  # larger than the bound: not kept
+    assert prompts.get("huge") is None and len(prompts) == 3
