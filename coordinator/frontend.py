@@ -97,8 +97,6 @@ _FINISHED_BATCH = fp.MAX_ABORT_IDS
 # Finished ids kept while the coordinator does not take them, and the retry pause.
 _MAX_UNREPORTED = 1 << 20
 _REPORT_RETRY_S = 0.1
-# Position of `finish_reason` in vLLM's array-encoded EngineCoreOutput.
-_FINISH_REASON_INDEX = 5
 
 
 class FrontendError(Exception):
@@ -184,22 +182,6 @@ could not read one of our messages, so it could not say which call it was."""
 _T = TypeVar("_T")
 
 
-def finished_ids(message: vllm.EngineCoreOutputs) -> list[str]:
-    """Request ids an EngineCoreOutputs reports finished, in order, without repeats."""
-    seen: dict[str, None] = {}
-    for output in message.outputs:
-        if (
-            isinstance(output, (list, tuple))
-            and len(output) > _FINISH_REASON_INDEX
-            and output[_FINISH_REASON_INDEX] is not None
-            and isinstance(output[0], str)
-        ):
-            seen[output[0]] = None
-    for request_id in message.finished_requests or ():
-        seen[request_id] = None
-    return list(seen)
-
-
 class FrontendClient:
     """One frontend's connection to a coordinator (one asyncio loop, not thread-safe).
 
@@ -218,6 +200,9 @@ class FrontendClient:
         on_notice: called for every unsolicited notice; when None they queue up
             for `notices()`.
         on_publish: called after each publish was applied, with the client.
+        on_outputs: called with every decoded `EngineCoreOutputs` an engine sent to
+            this client and the `time.monotonic()` it was read at (token outputs,
+            scheduler stats, utility results), before finished requests are handled.
         context: a zmq.asyncio.Context to share; by default the client owns one.
         curve_secret_key: path of this frontend's secret key file (`NAME.key_secret`
             from `dp-coordinator keygen`); with `curve_server_key`, the sockets to the
@@ -237,6 +222,7 @@ class FrontendClient:
         on_finished: Callable[[FinishedRequest], None] | None = None,
         on_notice: Callable[[Notice], None] | None = None,
         on_publish: Callable[[FrontendClient], None] | None = None,
+        on_outputs: Callable[[vllm.EngineCoreOutputs, float], None] | None = None,
         max_queued: int = 1 << 20,
         context: zmq.asyncio.Context | None = None,
         curve_secret_key: str | None = None,
@@ -255,6 +241,7 @@ class FrontendClient:
         self.on_finished = on_finished
         self.on_notice = on_notice
         self.on_publish = on_publish
+        self.on_outputs = on_outputs
 
         self._owns_context = context is None
         self._ctx = context if context is not None else zmq.asyncio.Context()
@@ -677,7 +664,12 @@ class FrontendClient:
                 self.stats[f"bad_output.{exc.reason}"] += 1
                 continue
             self.stats["outputs"] += 1
-            ids = finished_ids(message)
+            if self.on_outputs is not None:
+                try:
+                    self.on_outputs(message, now)
+                except Exception:
+                    log.exception("on_outputs callback failed")
+            ids = vllm.finished_request_ids(message)
             if not ids:
                 continue
             for request_id in ids:

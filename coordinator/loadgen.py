@@ -1,9 +1,19 @@
-"""Load generator: K frontends submitting simulated requests with Poisson arrivals.
+"""Load generator: K frontends submitting simulated requests, open-loop or in sessions.
 
     gen = LoadGenerator(addresses, LoadConfig(frontends=2, rate=200, duration_s=20))
     await gen.start()               # K FrontendClients, registered concurrently
     summary = await gen.run()       # load, then wait for the stragglers
     await gen.close()
+
+    python -m coordinator.loadgen --addr-file /tmp/coord.json --workload chat
+
+Workloads (`LoadConfig.workload`): "poisson" (below), or "chat" and "documents",
+whose requests reuse prompt prefixes (`coordinator.sim.workload`): sessions
+run `concurrency` at a time, each sending its turns one after another (the next
+after the previous finished and the user's think time passed), as vLLM
+`EngineCoreRequest` payloads, so a prefix-aware router reads real prompt tokens.
+Poisson load sends `SimRequest` payloads, or vLLM payloads with fresh random
+prompts (`payload="vllm"`).
 
 Arrivals: each frontend runs its own Poisson process at `rate / frontends`; the
 superposition is a Poisson process at `rate`. Arrival is open-loop: a submit does
@@ -29,23 +39,36 @@ refusals, timeouts). After the load stops, the generator waits up to
 whatever is left is *lost*, which must be 0 in a healthy run. While requests are
 outstanding, `stall_s` seconds without a single completion is recorded as a stall
 (the symptom of a lockstep hang).
+
+A `ShuttingDown` notice from the coordinator ends the run at once: nothing more is
+submitted, and what was outstanding is counted as ended by the shutdown, not lost.
+
+Prefix reuse, for vLLM payloads, from what the engines report: each request's
+time to first token (submit -> the output carrying its first token) and its
+cached prompt tokens (vLLM's `PrefillStats`), and the engines' own
+`prefix_cache_stats` (queries, hits), summed. `ideal_reusable_tokens` is the
+most a prefix cache could have served for the requests sent, capacity permitting
+(`coordinator.sim.workload.ideal_reuse`): the denominator of a routing benchmark.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
+import json
 import math
 import random
+import sys
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import zmq.asyncio
 
+from coordinator._zmq import AddressFileTimeout, run_loop, wait_for_address_file
 from coordinator.frontend import (
     CoordinatorTimeout,
     EngineDead,
@@ -56,167 +79,40 @@ from coordinator.frontend import (
     SubmitError,
 )
 from coordinator.protocol import frontend as fp
-from coordinator.sim.request import SimRequest, encode_sim_request
+from coordinator.protocol.vllm import EngineCoreOutputs
+from coordinator.sim.outputs import read_token_outputs
+from coordinator.sim.request import SimRequest, encode_sim_request, encode_vllm_request
+from coordinator.sim.traffic import (
+    WORKLOADS,
+    LoadConfig,
+    LoadSummary,
+    RankWork,
+    RequestRecord,
+    build_parser,
+    config_from_args,
+    milliseconds,
+    percentile,
+    ratio,
+    summary_lines,
+)
+from coordinator.sim.workload import (
+    Session,
+    ideal_reuse,
+    plan_chat,
+    plan_documents,
+)
 
 __all__ = [
+    "WORKLOADS",
     "LoadConfig",
     "LoadGenerator",
     "LoadSummary",
     "RankWork",
     "RequestRecord",
+    "build_parser",
+    "main",
     "percentile",
 ]
-
-
-@dataclass
-class LoadConfig:
-    """What load to generate, and how long to wait for it to finish."""
-
-    frontends: int = 2
-    rate: float = 200.0
-    """Mean arrivals per second over all frontends."""
-    duration_s: float = 20.0
-    max_requests: int | None = None
-    """Stop after this many arrivals even if `duration_s` has not passed."""
-    steps_median: float = 16.0
-    steps_sigma: float = 0.8
-    steps_min: int = 1
-    steps_max: int = 512
-    drain_timeout_s: float = 15.0
-    stall_s: float = 5.0
-    submit_timeout_s: float = 5.0
-    max_outstanding_submits: int = 10_000
-    burst_on_s: float | None = None
-    """With `burst_off_s`: arrivals come in bursts this long separated by quiet gaps,
-    so a lockstep group pauses and must be woken again; the mean rate stays `rate`."""
-    burst_off_s: float = 0.0
-    seed: int | None = None
-    host: str | None = None
-    """Bind frontend output sockets on tcp `host` instead of ipc."""
-
-    def validate(self) -> None:
-        if self.frontends < 1:
-            raise ValueError(f"need at least one frontend, got {self.frontends}")
-        if not self.rate > 0 or not math.isfinite(self.rate):
-            raise ValueError(f"rate must be a positive number, got {self.rate}")
-        if not self.duration_s > 0:
-            raise ValueError(f"duration must be positive, got {self.duration_s}")
-        if self.burst_on_s is not None and not self.burst_on_s > 0:
-            raise ValueError(f"burst_on_s must be positive, got {self.burst_on_s}")
-        if self.burst_off_s < 0:
-            raise ValueError(f"burst_off_s must be >= 0, got {self.burst_off_s}")
-        if not 1 <= self.steps_min <= self.steps_max:
-            raise ValueError("need 1 <= steps_min <= steps_max")
-
-
-@dataclass
-class RequestRecord:
-    """Everything observed about one request (times are `time.monotonic()`)."""
-
-    request_id: str
-    client_index: int
-    decode_steps: int
-    submitted_at: float
-    replied_at: float | None = None
-    rank: int | None = None
-    woke: bool = False
-    wave: int = 0
-    """The wave stamped on the submit (the newest this frontend had seen)."""
-    finished_at: float | None = None
-    finished_rank: int | None = None
-    refused: str | None = None
-    """The ErrorReply code when the coordinator refused the submit."""
-    submit_timed_out: bool = False
-    failed: str | None = None
-    """The reason when the coordinator reported the request failed."""
-
-    @property
-    def accepted(self) -> bool:
-        """The coordinator took it (or we never heard back and it may have)."""
-        return self.refused is None and (self.rank is not None or self.submit_timed_out)
-
-    @property
-    def completed(self) -> bool:
-        return self.finished_at is not None
-
-    @property
-    def lost(self) -> bool:
-        return self.accepted and not self.completed and self.failed is None
-
-
-@dataclass
-class RankWork:
-    """Work one rank did, as observed by the frontends."""
-
-    dispatched: int = 0
-    completed: int = 0
-    decode_steps: int = 0
-    """Decode steps of completed requests."""
-
-
-@dataclass
-class LoadSummary:
-    """The result of one run; `to_dict()` is the JSON form."""
-
-    frontends: int
-    rate: float
-    load_seconds: float
-    drain_seconds: float
-    arrivals: int
-    submitted: int
-    completed: int
-    failed: int
-    refused: int
-    refused_by_code: dict[str, int]
-    submit_timeouts: int
-    skipped: int
-    lost: int
-    engine_dead_notices: int
-    stalls: int
-    first_wave: int
-    last_wave: int
-    waves_completed: int
-    per_rank: dict[int, RankWork]
-    balance_ratio: float | None
-    """mean / max of completed decode steps per rank (1.0 = perfectly even)."""
-    wakes: int
-    wake_reply_ms_p50: float | None
-    wake_reply_ms_p99: float | None
-    wake_running_ms_p50: float | None
-    """From a submit that woke the group to the publish saying that wave runs."""
-    wake_running_ms_p99: float | None
-    wake_finish_ms_p50: float | None
-    wake_finish_ms_p99: float | None
-    latency_ms_p50: float | None
-    latency_ms_p99: float | None
-    reply_ms_p50: float | None
-    reply_ms_p99: float | None
-    throughput_rps: float
-    lost_ids: list[str] = field(default_factory=list)
-
-    @property
-    def healthy(self) -> bool:
-        return self.lost == 0 and self.stalls == 0
-
-    def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["per_rank"] = {str(rank): asdict(work) for rank, work in self.per_rank.items()}
-        data["healthy"] = self.healthy
-        return data
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in [0, 100]); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    index = max(0, min(len(ordered) - 1, math.ceil(q / 100.0 * len(ordered)) - 1))
-    return ordered[index]
-
-
-def _ms(value: float | None) -> float | None:
-    return None if value is None else round(value * 1000.0, 3)
-
 
 class LoadGenerator:
     """Drives `config.frontends` FrontendClients against one coordinator."""
@@ -247,11 +143,20 @@ class LoadGenerator:
         self._load_started: float | None = None
         self._load_ended: float | None = None
         self._drain_ended: float | None = None
-        self._submit_tasks: set[asyncio.Task[None]] = set()
+        self._submit_tasks: set[asyncio.Task[RequestRecord]] = set()
         self._all_done = asyncio.Event()
         # First time any frontend saw wave w published as running.
         self._running_seen_at: dict[int, float] = {}
         self.phase = "idle"
+        #: The coordinator's ShuttingDown reason, once one arrived.
+        self.shutdown_reason: str | None = None
+        self._stop = asyncio.Event()
+        # Request id -> set when it reached an end state (session turns wait on it).
+        self._done: dict[str, asyncio.Event] = {}
+        # Request id -> (prompt, max_tokens), for the ideal reuse.
+        self._prompts: dict[str, tuple[list[int], int]] = {}
+        self.cache_stats: Counter[str] = Counter()
+        self.sessions_started = 0
 
     # ------------------------------------------------------------ setup
 
@@ -267,6 +172,7 @@ class LoadGenerator:
                 on_finished=self._on_finished,
                 on_notice=self._on_notice,
                 on_publish=self._on_publish,
+                on_outputs=self._on_outputs,
                 context=self._context,
             )
             for index in range(self.config.frontends)
@@ -350,11 +256,17 @@ class LoadGenerator:
         self.phase = "load"
         watchdog = asyncio.ensure_future(self._watch_stalls())
         try:
-            await asyncio.gather(*(self._arrivals(client, deadline, budget)
-                                   for client in self.clients))
+            if cfg.workload == "poisson":
+                await asyncio.gather(*(self._arrivals(client, deadline, budget)
+                                       for client in self.clients))
+            else:
+                await self._run_sessions(deadline, budget)
             self._load_ended = time.monotonic()
             self.phase = "draining"
-            await self._drain(self._load_ended + cfg.drain_timeout_s)
+            if self._stop.is_set():
+                await self._end_by_shutdown()
+            else:
+                await self._drain(self._load_ended + cfg.drain_timeout_s)
         finally:
             watchdog.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -362,6 +274,11 @@ class LoadGenerator:
         self._drain_ended = time.monotonic()
         self.phase = "done"
         return self.summary()
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleep, but wake at once when the coordinator says it is shutting down."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), max(0.0, seconds))
 
     def _wall_time(self, start: float, on_time: float) -> float:
         """Map a point on the "load on" clock to wall time, skipping quiet gaps."""
@@ -382,11 +299,11 @@ class LoadGenerator:
         seq = 0
         on_time = self.rng.expovariate(rate)
         next_at = self._wall_time(start, on_time)
-        while next_at < deadline and budget[0] != 0:
+        while next_at < deadline and budget[0] != 0 and not self._stop.is_set():
             delay = next_at - time.monotonic()
             if delay > 0:
-                await asyncio.sleep(delay)
-            if budget[0] == 0:
+                await self._pause(delay)
+            if budget[0] == 0 or self._stop.is_set():
                 break
             if budget[0] > 0:
                 budget[0] -= 1
@@ -401,13 +318,26 @@ class LoadGenerator:
             on_time += self.rng.expovariate(rate)
             next_at = self._wall_time(start, on_time)
 
-    async def _submit_one(self, client: FrontendClient, request_id: str) -> None:
-        steps = self.draw_steps()
+    async def _submit_one(self, client: FrontendClient, request_id: str, *,
+                          prompt: list[int] | None = None, steps: int | None = None,
+                          session: str | None = None) -> RequestRecord:
+        cfg = self.config
+        steps = self.draw_steps() if steps is None else steps
+        if prompt is None and cfg.payload == "vllm":
+            prompt = [self.rng.randrange(100, 1000) for _ in range(cfg.prompt_tokens)]
         now = time.monotonic()
-        record = RequestRecord(request_id, client.client_index, steps, now, wave=client.wave)
+        record = RequestRecord(request_id, client.client_index, steps, now, wave=client.wave,
+                               prompt_tokens=0 if prompt is None else len(prompt),
+                               session=session)
         self.records[request_id] = record
-        payload = encode_sim_request(SimRequest(
-            request_id, client.client_index, record.wave, steps, time.monotonic_ns()))
+        if prompt is None:
+            payload = encode_sim_request(SimRequest(
+                request_id, client.client_index, record.wave, steps, time.monotonic_ns()))
+        else:
+            payload = encode_vllm_request(
+                request_id, prompt, max_tokens=steps, client_index=client.client_index,
+                current_wave=record.wave, arrival_time=time.time(), session_id=session)
+            self._prompts[request_id] = (prompt, steps)
         self._outstanding_submits += 1
         if self._in_flight == 0:
             self._last_progress = now
@@ -419,17 +349,17 @@ class LoadGenerator:
             self.counters["refused"] += 1
             self.counters[f"refused.{exc.code}"] += 1
             self._settle(record)
-            return
+            return record
         except CoordinatorTimeout:
             record.submit_timed_out = True
             self.counters["submit_timeouts"] += 1
-            return
+            return record
         except FrontendError as exc:
             record.refused = type(exc).__name__
             self.counters["refused"] += 1
             self.counters[f"refused.{record.refused}"] += 1
             self._settle(record)
-            return
+            return record
         finally:
             self._outstanding_submits -= 1
         record.replied_at = time.monotonic()
@@ -441,6 +371,89 @@ class LoadGenerator:
         if record.completed:
             # The finish overtook the reply; credit the work now that the rank is known.
             self._credit(record)
+        return record
+
+    # ------------------------------------------------------------ sessions
+
+    async def _run_sessions(self, deadline: float, budget: list[int]) -> None:
+        cfg = self.config
+        seed = cfg.seed if cfg.seed is not None else 0
+        if cfg.workload == "chat":
+            plan = plan_chat(cfg.chat, seed)
+        else:
+            plan = plan_documents(cfg.documents, seed)
+        queue = deque(plan)
+        workers = [asyncio.ensure_future(self._session_worker(
+            self.clients[index % len(self.clients)], queue, deadline, budget))
+            for index in range(cfg.concurrency)]
+        stopped = asyncio.ensure_future(self._stop.wait())
+        every: asyncio.Future[Any] = asyncio.gather(*workers)
+        try:
+            await asyncio.wait([every, stopped], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            # At a shutdown notice, a turn waiting for its submit reply ends at once.
+            for task in (*workers, stopped):
+                task.cancel()
+            await asyncio.gather(*workers, stopped, return_exceptions=True)
+            every.cancel()
+
+    async def _session_worker(self, client: FrontendClient, queue: deque[Session],
+                              deadline: float, budget: list[int]) -> None:
+        """Run sessions from the queue, each turn after the previous one ended."""
+        give_up_at = deadline + self.config.drain_timeout_s
+        while queue and not self._stop.is_set() and time.monotonic() < deadline:
+            session = queue.popleft()
+            self.sessions_started += 1
+            for index, turn in enumerate(session.turns):
+                if self._stop.is_set() or time.monotonic() >= deadline or budget[0] == 0:
+                    return
+                if budget[0] > 0:
+                    budget[0] -= 1
+                request_id = f"lg-{self._tag}-{session.session_id}-{index}"
+                done = self._done[request_id] = asyncio.Event()
+                record = await self._submit_one(client, request_id, prompt=session.prompt(index),
+                                                steps=turn.max_tokens,
+                                                session=session.session_id)
+                if not record.accepted:
+                    break  # refused: the user gives this conversation up
+                await self._wait(done, give_up_at - time.monotonic())
+                if not record.completed:
+                    break
+                if turn.think_s > 0:
+                    await self._pause(turn.think_s)
+
+    async def _wait(self, event: asyncio.Event, seconds: float) -> None:
+        """Until `event` is set, the coordinator shuts down, or `seconds` pass."""
+        waiters = [asyncio.ensure_future(event.wait()), asyncio.ensure_future(self._stop.wait())]
+        try:
+            await asyncio.wait(waiters, timeout=max(0.0, seconds),
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+
+    def _on_outputs(self, message: EngineCoreOutputs, at: float) -> None:
+        """First tokens and cached prompt tokens per request; the engines' cache stats."""
+        for report in read_token_outputs(message.outputs):
+            record = self.records.get(report.request_id)
+            if record is None or record.first_token_at is not None or not report.num_new_tokens:
+                continue
+            record.first_token_at = at
+            record.cached_tokens = report.cached_tokens
+        stats = message.scheduler_stats
+        if stats is None:
+            return
+        cache = stats.prefix_cache_stats
+        counts = self.cache_stats
+        counts["queries"] += cache.queries
+        counts["hits"] += cache.hits
+        counts["preempted_queries"] += cache.preempted_queries
+        counts["preempted_hits"] += cache.preempted_hits
+        counts["resets"] += int(cache.reset)
+        if cache.queries or cache.hits:
+            work = self.work.setdefault(message.engine_index, RankWork())
+            work.queried_tokens += cache.queries
+            work.hit_tokens += cache.hits
 
     def _on_finished(self, item: FinishedRequest) -> None:
         record = self.records.get(item.request_id)
@@ -480,14 +493,33 @@ class LoadGenerator:
             self.counters["engine_dead"] += 1
         elif isinstance(notice, fp.RankDrained):
             self.counters["rank_drained"] += 1
+        elif isinstance(notice, fp.ShuttingDown):
+            self.counters["shutdown_notices"] += 1
+            if self.shutdown_reason is None:
+                self.shutdown_reason = notice.reason
+                self._stop.set()
         else:
             self.counters["error_notices"] += 1
 
     def _settle(self, record: RequestRecord) -> None:
         """One outstanding request reached an end state (finished, failed or refused)."""
         self._in_flight -= 1
+        done = self._done.pop(record.request_id, None)
+        if done is not None:
+            done.set()
         if self._in_flight <= 0 and self.phase == "draining":
             self._all_done.set()
+
+    async def _end_by_shutdown(self) -> None:
+        """The coordinator is going: whatever is outstanding ends here, not lost."""
+        for task in list(self._submit_tasks):
+            task.cancel()
+        await asyncio.gather(*self._submit_tasks, return_exceptions=True)
+        for record in self.records.values():
+            if (record.refused is None and not record.completed and record.failed is None
+                    and not record.ended_by_shutdown):
+                record.ended_by_shutdown = True
+                self._settle(record)
 
     async def _drain(self, deadline: float) -> None:
         if self._submit_tasks:
@@ -552,6 +584,18 @@ class LoadGenerator:
         balance = (sum(steps) / len(steps)) / max(steps) if steps and max(steps) > 0 else None
         last_wave = self.wave
         elapsed = max(1e-9, drained - started)
+        accepted = sorted((r for r in records if r.accepted), key=lambda r: r.submitted_at)
+        prompt_tokens = sum(r.prompt_tokens for r in accepted)
+        sent = [self._prompts[r.request_id] for r in accepted if r.request_id in self._prompts]
+        capacity = None
+        if self.config.kv_capacity_blocks is not None and rank_count:
+            capacity = self.config.kv_capacity_blocks * rank_count
+        ideal = ideal_reuse(sent, self.config.block_size, capacity) if sent else None
+        cache = self.cache_stats
+        hits, queried = cache["hits"], cache["queries"]
+        prefill = queried - hits + cache["preempted_queries"] - cache["preempted_hits"]
+        ttfts = [r.first_token_at - r.submitted_at for r in records
+                 if r.first_token_at is not None]
         return LoadSummary(
             frontends=self.config.frontends,
             rate=self.config.rate,
@@ -574,16 +618,74 @@ class LoadGenerator:
             per_rank=per_rank,
             balance_ratio=None if balance is None else round(balance, 4),
             wakes=len(woke),
-            wake_reply_ms_p50=_ms(percentile(wake_replies, 50)),
-            wake_reply_ms_p99=_ms(percentile(wake_replies, 99)),
-            wake_running_ms_p50=_ms(percentile(wake_running, 50)),
-            wake_running_ms_p99=_ms(percentile(wake_running, 99)),
-            wake_finish_ms_p50=_ms(percentile(wake_finishes, 50)),
-            wake_finish_ms_p99=_ms(percentile(wake_finishes, 99)),
-            latency_ms_p50=_ms(percentile(latencies, 50)),
-            latency_ms_p99=_ms(percentile(latencies, 99)),
-            reply_ms_p50=_ms(percentile(replies, 50)),
-            reply_ms_p99=_ms(percentile(replies, 99)),
+            wake_reply_ms_p50=milliseconds(percentile(wake_replies, 50)),
+            wake_reply_ms_p99=milliseconds(percentile(wake_replies, 99)),
+            wake_running_ms_p50=milliseconds(percentile(wake_running, 50)),
+            wake_running_ms_p99=milliseconds(percentile(wake_running, 99)),
+            wake_finish_ms_p50=milliseconds(percentile(wake_finishes, 50)),
+            wake_finish_ms_p99=milliseconds(percentile(wake_finishes, 99)),
+            latency_ms_p50=milliseconds(percentile(latencies, 50)),
+            latency_ms_p99=milliseconds(percentile(latencies, 99)),
+            reply_ms_p50=milliseconds(percentile(replies, 50)),
+            reply_ms_p99=milliseconds(percentile(replies, 99)),
             throughput_rps=round(len(completed) / elapsed, 2),
             lost_ids=[r.request_id for r in lost[:20]],
+            workload=self.config.workload,
+            shutdown_reason=self.shutdown_reason,
+            ended_by_shutdown=sum(1 for r in records if r.ended_by_shutdown),
+            prompt_tokens=prompt_tokens,
+            ideal_reusable_tokens=ideal,
+            hit_tokens=hits,
+            queried_tokens=queried,
+            prefill_tokens=prefill,
+            hit_rate=ratio(hits, queried),
+            ideal_hit_rate=None if ideal is None else ratio(ideal, prompt_tokens),
+            ideal_fraction=None if ideal is None else ratio(hits, ideal),
+            ttft_ms_p50=milliseconds(percentile(ttfts, 50)),
+            ttft_ms_p99=milliseconds(percentile(ttfts, 99)),
+            sessions_started=self.sessions_started,
         )
+
+
+# ---------------------------------------------------------------- command line
+
+
+async def _run_cli(args: argparse.Namespace, config: LoadConfig) -> int:
+    try:
+        addresses = await asyncio.to_thread(
+            wait_for_address_file, args.addr_file, ("frontend", "front_publish"),
+            args.wait_addr_file, poll_s=0.05)
+    except AddressFileTimeout as exc:
+        print(f"loadgen: {exc}", file=sys.stderr)
+        return 4
+    gen = LoadGenerator(addresses, config)
+    try:
+        try:
+            await gen.start()
+            await gen.wait_ready(timeout_s=args.wait_ready)
+        except FrontendError as exc:
+            print(f"loadgen: could not start: {exc}", file=sys.stderr)
+            return 4
+        summary = await gen.run()
+    finally:
+        await gen.close()
+    if args.json:
+        print(json.dumps(summary.to_dict()), flush=True)
+    else:
+        print("\n".join(summary_lines(summary)), flush=True)
+    return 0 if summary.healthy else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    config = config_from_args(args)
+    try:
+        config.validate()
+    except ValueError as exc:
+        parser.error(str(exc))
+    return run_loop(_run_cli(args, config))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

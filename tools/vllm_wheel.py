@@ -23,7 +23,13 @@ attribute, so class definitions, type annotations, decorators and
 loudly, which is the point: only code paths that need no tensors can be run.
 Two third-party functions on vLLM's socket path (`psutil.virtual_memory`,
 `urllib3.util.parse_url`) get small faithful stand-ins when the real packages
-are not installed, because `make_zmq_socket` acts on their results.
+are not installed, because `make_zmq_socket` acts on their results. A caller
+can give its own stand-ins too (`stand_ins`, module name -> attributes): such
+a module is served with those attributes (any other attribute is a
+placeholder), even where it would otherwise run from source. Compatibility
+tests use that to give vLLM's code exactly the few collaborators it calls
+(a config class the publisher builds, a multimodal dataclass with vLLM's
+field order) and to run nothing of vLLM's but the module under test.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ import sys
 import tempfile
 import types
 import zipfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -387,13 +393,30 @@ class _StubLoader(importlib.abc.Loader):
         return None
 
 
-class VllmFinder(importlib.abc.MetaPathFinder):
-    """Serves `vllm.*` from extracted sources (names in `real`) or stubs, and stubs heavy deps."""
+StandIns = Mapping[str, Mapping[str, Any]]
 
-    def __init__(self, root: Path, real: Iterable[str], heavy: Iterable[str]) -> None:
+
+def _stand_in(name: str, attributes: Mapping[str, Any]) -> types.ModuleType:
+    module = StubModule(name)
+    for key, value in attributes.items():
+        setattr(module, key, value)
+    return module
+
+
+class VllmFinder(importlib.abc.MetaPathFinder):
+    """Serves `vllm.*` from extracted sources (names in `real`) or stubs, and stubs heavy deps.
+
+    A module named in `stand_ins` is served as a placeholder module carrying
+    the given attributes instead, whether it is a vLLM module or not (one
+    already imported, such as a real numpy, is left alone).
+    """
+
+    def __init__(self, root: Path, real: Iterable[str], heavy: Iterable[str],
+                 stand_ins: StandIns | None = None) -> None:
         self.root = root
         self.real = set(real)
         self.heavy = set(heavy)
+        self.stand_ins = dict(stand_ins or {})
         self.stubbed: list[str] = []
         self.keep_real = {name for name in SHIMMED_PACKAGES
                           if name in self.heavy and _real_package_available(name)}
@@ -401,6 +424,11 @@ class VllmFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path: Sequence[str] | None = None,
                   target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         top = fullname.partition(".")[0]
+        attributes = self.stand_ins.get(fullname)
+        if attributes is not None:
+            self.stubbed.append(fullname)
+            return importlib.machinery.ModuleSpec(
+                fullname, _StubLoader(_stand_in(fullname, attributes)), is_package=True)
         if top == "vllm":
             if fullname in self.real:
                 file = _extracted(self.root, fullname)
@@ -419,18 +447,20 @@ class VllmFinder(importlib.abc.MetaPathFinder):
 
 def install(real: Sequence[str] = COORDINATOR_REAL, *,
             cache: str | os.PathLike[str] | None = None, download: bool = True,
-            heavy: Iterable[str] = HEAVY_PACKAGES) -> VllmFinder:
+            heavy: Iterable[str] = HEAVY_PACKAGES,
+            stand_ins: StandIns | None = None) -> VllmFinder:
     """Make `real` importable from the wheel in this process, for good (e.g. a peer process).
 
     Raises `WheelUnavailable` if the wheel can be neither found nor fetched.
     Already imported heavy packages (numpy brought in by matplotlib, say) are
     left as they are; stubs replace only what is not loaded.
     """
-    root = extract(real, cache, download=download)
+    root = extract([name for name in real if name not in (stand_ins or {})], cache,
+                   download=download)
     for name in list(sys.modules):
         if name == "vllm" or name.startswith("vllm."):
             del sys.modules[name]
-    finder = VllmFinder(root, real, heavy)
+    finder = VllmFinder(root, real, heavy, stand_ins)
     sys.meta_path.insert(0, finder)
     importlib.invalidate_caches()
     return finder
@@ -439,11 +469,17 @@ def install(real: Sequence[str] = COORDINATOR_REAL, *,
 @contextlib.contextmanager
 def vllm_modules(*wanted: str, real: Sequence[str] = COORDINATOR_REAL,
                  cache: str | os.PathLike[str] | None = None, download: bool = True,
-                 heavy: Iterable[str] = HEAVY_PACKAGES) -> Iterator[dict[str, types.ModuleType]]:
+                 heavy: Iterable[str] = HEAVY_PACKAGES,
+                 stand_ins: StandIns | None = None) -> Iterator[dict[str, types.ModuleType]]:
     """Import `wanted` (dotted names, each also run from source) with everything else stubbed.
 
         with vllm_modules("vllm.v1.engine.coordinator") as mods:
             proc = mods["vllm.v1.engine.coordinator"].DPCoordinatorProc
+
+        # Only vLLM's KV event module runs; its config class is the caller's.
+        with vllm_modules("vllm.distributed.kv_events", real=(),
+                          stand_ins={"vllm.config.kv_events": {"KVEventsConfig": Config}}):
+            ...
 
     On exit the import system is as it was: the finder is removed, vLLM's
     modules and the stubs are dropped from `sys.modules` and whatever they
@@ -452,7 +488,7 @@ def vllm_modules(*wanted: str, real: Sequence[str] = COORDINATOR_REAL,
     before = {name: module for name, module in sys.modules.items()
               if name == "vllm" or name.startswith("vllm.")}
     finder = install(tuple(dict.fromkeys((*real, *wanted))), cache=cache,
-                     download=download, heavy=heavy)
+                     download=download, heavy=heavy, stand_ins=stand_ins)
     try:
         yield {name: importlib.import_module(name) for name in wanted}
     finally:
@@ -462,6 +498,20 @@ def vllm_modules(*wanted: str, real: Sequence[str] = COORDINATOR_REAL,
             if name == "vllm" or name.startswith("vllm.") or name in finder.stubbed:
                 del sys.modules[name]
         sys.modules.update(before)
+
+
+def load(*wanted: str, real: Sequence[str] = (), stand_ins: StandIns | None = None,
+         cache: str | os.PathLike[str] | None = None,
+         download: bool = True) -> dict[str, types.ModuleType]:
+    """`wanted` imported as `vllm_modules` does, with the import system restored at once.
+
+    Only `wanted` (and `real`) run from the wheel. The returned modules keep
+    working: they hold their own references to the stand-ins and stubs.
+    Raises `WheelUnavailable` if the wheel can be neither found nor fetched.
+    """
+    with vllm_modules(*wanted, real=real, stand_ins=stand_ins, cache=cache,
+                      download=download) as modules:
+        return modules
 
 
 # ---- command line -----------------------------------------------------------------------
@@ -508,5 +558,5 @@ if __name__ == "__main__":
 __all__ = [
     "COORDINATOR_REAL", "HEAVY_PACKAGES", "KV_EVENTS_REAL", "VLLM_VERSION", "WHEEL_NAME",
     "WHEEL_SHA256", "Stub", "StubModule", "VllmFinder", "WheelUnavailable", "cache_dir",
-    "ensure_wheel", "extract", "install", "source_root", "vllm_modules",
+    "ensure_wheel", "extract", "install", "load", "source_root", "vllm_modules",
 ]

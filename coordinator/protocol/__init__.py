@@ -63,6 +63,7 @@ from coordinator.protocol.vllm import (
     encode_ready_response,
     encode_scale_elastic_ep,
     encode_start_dp_wave,
+    finished_request_ids,
 )
 
 __all__ = [
@@ -125,6 +126,7 @@ __all__ = [
     "encode_ready_response",
     "encode_scale_elastic_ep",
     "encode_start_dp_wave",
+    "finished_request_ids",
     "identity_to_rank",
     "rank_to_identity",
     "vllm",

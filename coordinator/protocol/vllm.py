@@ -97,6 +97,7 @@ __all__ = [
     "encode_ready_response",
     "encode_scale_elastic_ep",
     "encode_start_dp_wave",
+    "finished_request_ids",
 ]
 
 # --- frame constants -------------------------------------------------------
@@ -705,3 +706,23 @@ def decode_abort(buf: BufferLike) -> list[str]:
 def encode_abort(request_ids: Iterable[str]) -> bytes:
     """Encode an ABORT payload (the type byte `ABORT` goes in the frame before)."""
     return _encoder.encode(list(request_ids))
+
+
+# Position of `finish_reason` in vLLM's array-encoded EngineCoreOutput.
+_FINISH_REASON_INDEX = 5
+
+
+def finished_request_ids(message: EngineCoreOutputs) -> list[str]:
+    """Request ids an EngineCoreOutputs reports finished, in order, without repeats."""
+    seen: dict[str, None] = {}
+    for output in message.outputs:
+        if (
+            isinstance(output, (list, tuple))
+            and len(output) > _FINISH_REASON_INDEX
+            and output[_FINISH_REASON_INDEX] is not None
+            and isinstance(output[0], str)
+        ):
+            seen[output[0]] = None
+    for request_id in message.finished_requests or ():
+        seen[request_id] = None
+    return list(seen)

@@ -22,6 +22,7 @@ from coordinator.engine import EngineRefused, EngineStartupError
 from coordinator.sim.collective import CollectiveHang, CollectiveHub
 from coordinator.sim.engine import SimConfig, SimEngine
 from coordinator.sim.group import SimEngineGroup
+from coordinator.sim.kv_publisher import resolve_endpoints
 
 __all__ = [
     "EXIT_ERROR",
@@ -85,6 +86,57 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
         default="fail",
         help="after a collective hang: die like a timed-out vLLM engine, or keep waiting",
     )
+    cache = p.add_argument_group(
+        "KV cache and prefill",
+        "Requests sent as vLLM EngineCoreRequest payloads have prompts: their KV "
+        "takes blocks, full blocks stay cached (LRU) and later prompts with the same "
+        "prefix skip computing it. SimRequest payloads have no prompt and are untouched.",
+    )
+    cache.add_argument("--block-size", type=int, default=16, help="tokens per KV block (16)")
+    cache.add_argument(
+        "--kv-blocks", type=int, default=4096, help="KV cache capacity per engine, in blocks (4096)"
+    )
+    cache.add_argument(
+        "--no-prefix-caching", action="store_true", help="never reuse cached blocks (vLLM's "
+        "--no-enable-prefix-caching)"
+    )
+    cache.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=8192,
+        help="tokens computed per step across the batch; longer prefills are chunked (8192)",
+    )
+    cache.add_argument(
+        "--prefill-us-per-token",
+        type=float,
+        default=5.0,
+        help="time a step takes per prompt token it computes, on top of --step-ms (5 us)",
+    )
+    cache.add_argument(
+        "--no-log-stats",
+        action="store_true",
+        help="send frontends no prefix-cache statistics (vLLM's --disable-log-stats)",
+    )
+    events = p.add_argument_group(
+        "KV cache events",
+        "Published as vLLM's --kv-events-config publisher does: each rank offsets the "
+        "port by its DP rank, binds a wildcard host (tcp://*:PORT) or ipc endpoint and "
+        "connects to any other. SIGUSR2 resets every engine's prefix cache "
+        "(AllBlocksCleared), sending running requests back to the queue.",
+    )
+    events.add_argument(
+        "--kv-events-endpoint", metavar="ENDPOINT", help="publish BlockStored/BlockRemoved/"
+        "AllBlocksCleared batches here, e.g. tcp://*:5557 (default: no events)"
+    )
+    events.add_argument(
+        "--kv-events-replay-endpoint", metavar="ENDPOINT",
+        help="serve replays of recent batches here (a ROUTER, always bound)",
+    )
+    events.add_argument(
+        "--kv-events-buffer-steps", type=int, default=10_000, metavar="N",
+        help="batches kept for replay (10000)",
+    )
+    events.add_argument("--kv-events-topic", default="", help="topic frame of every batch")
     p.add_argument("--dense", action="store_true", help="no waves, no collective (non-MoE)")
     p.add_argument("--no-stats", action="store_true", help="send no load stats (external LB)")
     p.add_argument(
@@ -196,7 +248,28 @@ def _config_from_args(args: argparse.Namespace) -> SimConfig:
         ready_timeout_s=args.ready_timeout,
         curve_secret_key=args.curve_secret_key,
         curve_server_key=args.curve_server_key,
+        block_size=args.block_size,
+        kv_blocks=args.kv_blocks,
+        enable_prefix_caching=not args.no_prefix_caching,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        prefill_s_per_token=args.prefill_us_per_token / 1e6,
+        log_stats=not args.no_log_stats,
+        kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+        kv_events_buffer_steps=args.kv_events_buffer_steps,
+        kv_events_topic=args.kv_events_topic,
     )
+
+
+def _reset_on_signal(engines: Sequence[SimEngine]) -> None:
+    """SIGUSR2: reset every engine's prefix cache, preempting running requests."""
+
+    def reset() -> None:
+        for engine in engines:
+            engine.reset_prefix_cache(reset_running_requests=True)
+
+    with contextlib.suppress(NotImplementedError, RuntimeError, AttributeError):
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR2, reset)
 
 
 async def _handshake_address(args: argparse.Namespace) -> str:
@@ -250,6 +323,7 @@ async def _run_group(args: argparse.Namespace) -> int:
         collective_address=args.collective,
     )
     await group.start()
+    _reset_on_signal(group.engines)
     for rank in args.ignore_start_wave:
         group.engine(rank).ignore_start_wave = True
     try:
@@ -273,6 +347,7 @@ async def _run_engine(args: argparse.Namespace) -> int:
     engine.ignore_start_wave = args.rank in args.ignore_start_wave
     try:
         await engine.start()
+        _reset_on_signal([engine])
         await _until_stop_or_failure(stop, [engine])
     finally:
         await engine.stop()
@@ -316,6 +391,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command in ("group", "engine"):
         try:
             CurveClientKeys.from_options(args.curve_secret_key, args.curve_server_key)
+            config = _config_from_args(args)
+            config.scheduler_config().validate()
+            if config.kv_events_endpoint is not None:
+                ranks = config.group_ranks if args.command == "group" else [args.rank]
+                for rank in ranks:
+                    resolve_endpoints(
+                        config.kv_events_endpoint, config.kv_events_replay_endpoint, rank
+                    )
         except ValueError as exc:
             parser.error(str(exc))
     logging.basicConfig(

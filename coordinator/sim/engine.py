@@ -6,10 +6,11 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-from collections import deque
+import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import msgspec
 import zmq.asyncio
 
 from coordinator.engine import (
@@ -19,11 +20,15 @@ from coordinator.engine import (
     InboundRequest,
     StartDpWave,
     UtilityCall,
+    default_ready_response,
 )
 from coordinator.protocol.errors import ProtocolError
-from coordinator.protocol.vllm import EngineCoreOutputs
+from coordinator.protocol.vllm import EngineCoreOutputs, EngineReadyResponse, SchedulerStats
 from coordinator.sim.collective import CollectiveClient, CollectiveHang
-from coordinator.sim.request import SimRequest, decode_sim_request
+from coordinator.sim.kv_publisher import KVEventPublisher
+from coordinator.sim.outputs import PrefillStats, prefill_stats_for, token_output
+from coordinator.sim.request import FINISH_ERROR, FINISH_LENGTH, decode_add_payload
+from coordinator.sim.scheduler import Active, SchedulerConfig, SimScheduler, StepResult
 
 __all__ = ["HangPolicy", "SimConfig", "SimCounters", "SimEngine", "sim_config_hash"]
 
@@ -53,6 +58,22 @@ class SimConfig:
     lockstep: bool = True
     #: False: send no load stats (vLLM engines in external-LB mode).
     publish_stats: bool = True
+    # The KV cache and the cost of a prefill.
+    block_size: int = 16
+    #: KV cache capacity in blocks (vLLM's num_gpu_blocks, less its null block).
+    kv_blocks: int = 4096
+    enable_prefix_caching: bool = True
+    #: Tokens computed per step across the batch (vLLM's max_num_batched_tokens).
+    max_num_batched_tokens: int = 8192
+    #: Added to a step for every prompt token it computes (cache hits are free).
+    prefill_s_per_token: float = 5e-6
+    #: vLLM's log_stats: prefix-cache statistics to a frontend with the outputs.
+    log_stats: bool = True
+    # KV cache events, as vLLM's --kv-events-config (None: no publisher).
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_events_buffer_steps: int = 10_000
+    kv_events_topic: str = ""
     # Agent options.
     vllm_shaped: bool = False
     #: HELLO's engine_id; None: a fresh random one. A group appends "-<rank>".
@@ -77,11 +98,15 @@ class SimConfig:
     def group_ranks(self) -> range:
         return range(self.rank_start, self.rank_start + self.world_size)
 
-
-@dataclass
-class _Active:
-    request: SimRequest
-    remaining: int
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_batch=self.max_batch,
+            block_size=self.block_size,
+            kv_blocks=self.kv_blocks,
+            enable_prefix_caching=self.enable_prefix_caching,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            record_events=self.kv_events_endpoint is not None,
+        )
 
 
 @dataclass
@@ -95,6 +120,9 @@ class SimCounters:
     finished: int = 0
     aborted: int = 0
     dropped: int = 0
+    rejected: int = 0
+    kv_event_batches: int = 0
+    prefix_cache_resets: int = 0
     start_waves_sent: list[int] = field(default_factory=list)
     wave_completes_sent: list[int] = field(default_factory=list)
     wakes_applied: list[int] = field(default_factory=list)
@@ -103,11 +131,12 @@ class SimCounters:
 class SimEngine:
     """One simulated DP rank: an EngineAgent and a vLLM-like step loop.
 
-    `start()` runs the agent handshake (which completes only when every rank of
-    the group has subscribed at the coordinator) and launches the loop; `stop()`
-    ends it. State is exposed read-only for tests: `current_wave`,
-    `engines_running`, `step_counter`, `num_waiting`, `num_running`, `counters`,
-    `hangs`, `failed`.
+    `start()` opens the KV event publisher if one is configured, runs the agent
+    handshake (which completes only when every rank of the group has subscribed
+    at the coordinator) and launches the loop; `stop()` ends it. State is
+    exposed read-only for tests: `current_wave`, `engines_running`,
+    `step_counter`, `num_waiting`, `num_running`, `counters`, `hangs`, `failed`,
+    `scheduler` (queues and KV cache) and `publisher`.
     """
 
     def __init__(
@@ -127,6 +156,20 @@ class SimEngine:
             raise ValueError("a lockstep engine needs a collective_address")
         if cfg.max_batch < 1 or cfg.dp_sync_interval < 1:
             raise ValueError("max_batch and dp_sync_interval must be at least 1")
+        if cfg.prefill_s_per_token < 0:
+            raise ValueError("prefill_s_per_token must not be negative")
+        self.scheduler = SimScheduler(cfg.scheduler_config())
+        self.publisher: KVEventPublisher | None = None
+        if cfg.kv_events_endpoint is not None:
+            # Resolved now: a bad endpoint is a configuration error, before any socket.
+            self.publisher = KVEventPublisher(
+                cfg.kv_events_endpoint,
+                rank,
+                replay_endpoint=cfg.kv_events_replay_endpoint,
+                buffer_steps=cfg.kv_events_buffer_steps,
+                topic=cfg.kv_events_topic,
+                context=context,
+            )
         self.agent = EngineAgent(
             handshake_address,
             rank,
@@ -142,6 +185,7 @@ class SimEngine:
             context=context,
             curve_secret_key=cfg.curve_secret_key,
             curve_server_key=cfg.curve_server_key,
+            ready_response=self._ready_response(),
         )
         self._collective_address = collective_address
         self._collective: CollectiveClient | None = None
@@ -156,9 +200,6 @@ class SimEngine:
         self.failed: BaseException | None = None
         self.counters = SimCounters()
 
-        self._waiting: deque[_Active] = deque()
-        self._running: dict[str, _Active] = {}
-        self._held: set[str] = set()  # ids waiting or running
         self._last_counts = (0, 0)
         self._seq = 0
         self._unfrozen = asyncio.Event()
@@ -170,11 +211,26 @@ class SimEngine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self.scheduler.waiting)
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        return len(self.scheduler.running)
+
+    def _ready_response(self) -> EngineReadyResponse:
+        """The greeting a vLLM engine with this cache and publisher sends."""
+        cfg = self.config
+        base = default_ready_response(self.rank, cfg.world_size)
+        return msgspec.structs.replace(
+            base,
+            # vLLM counts its null block among the GPU blocks.
+            num_gpu_blocks=cfg.kv_blocks + 1,
+            block_size=cfg.block_size,
+            max_num_seqs=cfg.max_batch,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            kv_cache_size_tokens=cfg.kv_blocks * cfg.block_size,
+            kv_events_config=None if self.publisher is None else self.publisher.config,
+        )
 
     @property
     def frozen(self) -> bool:
@@ -208,9 +264,13 @@ class SimEngine:
                 context=self._context,
             )
         try:
+            if self.publisher is not None:
+                # Before the greeting names its endpoints, so they exist when read.
+                self.publisher.start()
             await self.agent.start()
         except BaseException:
             self._close_collective()
+            await self._close_publisher()
             raise
         self._task = asyncio.get_running_loop().create_task(
             self._run(), name=f"sim-engine-{self.rank}"
@@ -224,7 +284,12 @@ class SimEngine:
             self._task = None
         self._stopped.set()
         self._close_collective()
+        await self._close_publisher()
         await self.agent.close(linger_s=linger_s)
+
+    async def _close_publisher(self) -> None:
+        if self.publisher is not None:
+            await self.publisher.close()
 
     def _close_collective(self) -> None:
         if self._collective is not None:
@@ -257,10 +322,11 @@ class SimEngine:
         with contextlib.suppress(Exception):
             self.agent.send_engine_dead()
         self._close_collective()
+        await self._close_publisher()
         await self.agent.close(linger_s=0.5)
 
     def _has_local_work(self) -> bool:
-        return bool(self._waiting or self._running)
+        return self.scheduler.has_work
 
     async def _lockstep_loop(self) -> None:
         while True:
@@ -311,23 +377,19 @@ class SimEngine:
             self._handle(queued)
 
     async def _step(self) -> bool:
-        while self._waiting and len(self._running) < self.config.max_batch:
-            active = self._waiting.popleft()
-            self._running[active.request.request_id] = active
-        if not self._running:
+        scheduler = self.scheduler
+        plan = scheduler.schedule()
+        self._report_rejected()
+        if plan.empty:
             return False
-        await asyncio.sleep(self.config.step_time_s)
+        cost = plan.prefill_tokens * self.config.prefill_s_per_token
+        await asyncio.sleep(self.config.step_time_s + cost)
         self.counters.steps += 1
-        finished: dict[int, list[str]] = {}
-        for request_id, active in list(self._running.items()):
-            active.remaining -= 1
-            if active.remaining <= 0:
-                del self._running[request_id]
-                self._held.discard(request_id)
-                finished.setdefault(active.request.client_index, []).append(request_id)
-        for client_index, request_ids in finished.items():
-            self.counters.finished += len(request_ids)
-            self._send_finished(client_index, request_ids)
+        result = scheduler.complete(plan, time.monotonic())
+        # Events first, as vLLM's scheduler does: whoever learns from an output
+        # that a request finished can count on its blocks having been announced.
+        self._publish_kv_events()
+        self._send_step_outputs(result)
         return True
 
     async def _dummy_step(self) -> None:
@@ -382,21 +444,19 @@ class SimEngine:
 
     def _on_add(self, request: AddRequest) -> None:
         try:
-            sim = decode_sim_request(request.frames[0])
+            work = decode_add_payload(request.frames[0])
         except ProtocolError as exc:
             self.counters.dropped += 1
             logger.warning("rank %d: dropped an ADD this engine cannot run: %s", self.rank, exc)
             return
-        if sim.request_id in self._held:
-            logger.warning("rank %d: duplicate request id %r ignored", self.rank, sim.request_id)
+        if self.scheduler.add(work, time.monotonic()) is None:
+            logger.warning("rank %d: duplicate request id %r ignored", self.rank, work.request_id)
             return
-        self._held.add(sim.request_id)
-        self._waiting.append(_Active(sim, sim.decode_steps))
         self.counters.added += 1
         if not (self.config.lockstep and self.agent.has_coordinator):
             return
-        if sim.current_wave > self.current_wave:
-            self.current_wave = sim.current_wave
+        if work.current_wave > self.current_wave:
+            self.current_wave = work.current_wave
         if not self.engines_running:
             # Running first: this engine is the one left out of the wake it triggers.
             self.engines_running = True
@@ -404,21 +464,8 @@ class SimEngine:
 
     def _on_abort(self, request_ids: list[str]) -> None:
         gone: dict[int, list[str]] = {}
-        wanted = self._held.intersection(request_ids)
-        if not wanted:
-            return
-        self._held -= wanted
-        for request_id in wanted:
-            active = self._running.pop(request_id, None)
-            if active is not None:
-                gone.setdefault(active.request.client_index, []).append(request_id)
-        kept: deque[_Active] = deque()
-        for active in self._waiting:
-            if active.request.request_id in wanted:
-                gone.setdefault(active.request.client_index, []).append(active.request.request_id)
-            else:
-                kept.append(active)
-        self._waiting = kept
+        for active in self.scheduler.abort(request_ids):
+            gone.setdefault(active.work.client_index, []).append(active.request_id)
         for client_index, ids in gone.items():
             self.counters.aborted += len(ids)
             self._send_finished(client_index, ids)
@@ -437,23 +484,40 @@ class SimEngine:
                 self.counters.wakes_applied.append(wave)
 
     def _on_utility(self, call: UtilityCall) -> None:
-        # Shaped like vLLM's UtilityOutput array: [call_id, failure_message, result].
-        failure = f"simulated engine has no utility method {call.method!r}"
+        # Shaped like vLLM's UtilityOutput array: [call_id, failure_message, result],
+        # the result as vLLM's UtilityResult encodes it: [type info (nil), value].
+        if call.method == "reset_prefix_cache":
+            running = bool(call.args[0]) if call.args else False
+            output: list[Any] = [call.call_id, None, [None, self.reset_prefix_cache(running)]]
+        else:
+            failure = f"simulated engine has no utility method {call.method!r}"
+            output = [call.call_id, failure, None]
         with contextlib.suppress(IndexError):
-            self.agent.send_output(
-                call.client_index, EngineCoreOutputs(utility_output=[call.call_id, failure, None])
-            )
+            self.agent.send_output(call.client_index, EngineCoreOutputs(utility_output=output))
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """vLLM's `reset_prefix_cache`: forget every cached block (AllBlocksCleared).
+
+        Refused (False) while requests hold blocks, unless `reset_running_requests`,
+        which sends them back to the queue to start again.
+        """
+        done = self.scheduler.reset_prefix_cache(reset_running_requests)
+        if done:
+            self.counters.prefix_cache_resets += 1
+            self._publish_kv_events()
+        logger.info("rank %d: prefix cache reset %s", self.rank, "done" if done else "refused")
+        return done
 
     # ------------------------------------------------------------ outbound
 
     def _maybe_publish_counts(self) -> None:
         if not (self.config.publish_stats and self.agent.has_coordinator):
             return
-        counts = (len(self._running), len(self._waiting))
+        counts = (self.num_running, self.num_waiting)
         if counts == self._last_counts:
             return
         self._last_counts = counts
-        kv = min(1.0, len(self._running) / self.config.max_batch)
+        kv = self.scheduler.kv_cache_usage
         lockstep = self.config.lockstep
         self.agent.send_stats(
             waiting=counts[1],
@@ -462,6 +526,84 @@ class SimEngine:
             step_counter=self.step_counter if lockstep else 0,
             current_wave=self.current_wave if lockstep else 0,
         )
+
+    def _send_step_outputs(self, result: StepResult) -> None:
+        """One message per frontend: token outputs, finished ids, maybe the cache stats."""
+        outputs: dict[int, list[Any]] = {}
+        finished: dict[int, list[str]] = {}
+        done = {id(active) for active in result.finished}
+        for active in result.first_tokens:
+            if active.work.vllm:
+                final = id(active) in done
+                outputs.setdefault(active.work.client_index, []).append(token_output(
+                    active.request_id, [active.token(0)],
+                    finish_reason=FINISH_LENGTH if final else None,
+                    prefill_stats=self._prefill_stats(active)))
+        for active in result.finished:
+            client = active.work.client_index
+            finished.setdefault(client, []).append(active.request_id)
+            if active.work.vllm and active.work.decode_steps > 1:
+                last = active.token(active.work.decode_steps - 1)
+                outputs.setdefault(client, []).append(
+                    token_output(active.request_id, [last], finish_reason=FINISH_LENGTH))
+        self.counters.finished += len(result.finished)
+        self._send_outputs(outputs, finished)
+
+    def _prefill_stats(self, active: Active) -> PrefillStats:
+        prompt, cached = active.prompt_len, active.cached_tokens
+        size = self.config.block_size
+        created = 0
+        if active.work.cacheable and self.config.enable_prefix_caching:
+            created = max(0, (prompt // size) * size - cached)
+        return prefill_stats_for(prompt, cached, created)
+
+    def _send_outputs(self, outputs: dict[int, list[Any]], finished: dict[int, list[str]]) -> None:
+        stats = self.scheduler.take_prefix_stats() if self.config.log_stats else None
+        clients = list(dict.fromkeys([*outputs, *finished]))
+        if stats is not None and not clients and self.agent.num_outputs:
+            clients = [0]  # vLLM returns the stats even in a step without outputs
+        for position, client in enumerate(clients):
+            message = EngineCoreOutputs(
+                outputs=outputs.get(client, []),
+                finished_requests=finished.get(client),
+            )
+            if position == 0 and stats is not None:
+                # vLLM gives the stats to one frontend: the first with outputs.
+                message.scheduler_stats = SchedulerStats(
+                    num_running_reqs=self.num_running,
+                    num_waiting_reqs=self.num_waiting,
+                    kv_cache_usage=self.scheduler.kv_cache_usage,
+                    prefix_cache_stats=stats,
+                )
+            try:
+                self.agent.send_output(client, message)
+            except IndexError as exc:
+                logger.warning("rank %d: outputs not delivered: %s", self.rank, exc)
+
+    def _report_rejected(self) -> None:
+        rejected, self.scheduler.rejected = self.scheduler.rejected, []
+        if not rejected:
+            return
+        outputs: dict[int, list[Any]] = {}
+        finished: dict[int, list[str]] = {}
+        for active in rejected:
+            logger.warning(
+                "rank %d: request %r needs more KV blocks than the cache has (%d); refused",
+                self.rank, active.request_id, self.config.kv_blocks)
+            client = active.work.client_index
+            finished.setdefault(client, []).append(active.request_id)
+            outputs.setdefault(client, []).append(
+                token_output(active.request_id, [], finish_reason=FINISH_ERROR))
+        self.counters.rejected += len(rejected)
+        self._send_outputs(outputs, finished)
+
+    def _publish_kv_events(self) -> None:
+        if self.publisher is None:
+            return
+        events = self.scheduler.take_events()
+        if events:
+            self.publisher.publish(events)
+            self.counters.kv_event_batches += 1
 
     def _send_start_wave(self, wave: int) -> None:
         self.counters.start_waves_sent.append(wave)
@@ -495,6 +637,16 @@ class SimEngine:
             "finished": c.finished,
             "aborted": c.aborted,
             "dropped": c.dropped,
+            "rejected": c.rejected,
+            "prompt_tokens": self.scheduler.prompt_tokens,
+            "hit_tokens": self.scheduler.hit_tokens,
+            "prefill_tokens": self.scheduler.prefill_tokens,
+            "preempted": self.scheduler.preempted,
+            "cached_blocks": self.scheduler.pool.num_cached,
+            "evicted_blocks": self.scheduler.pool.evictions,
+            "kv_cache_usage": round(self.scheduler.kv_cache_usage, 4),
+            "kv_event_batches": c.kv_event_batches,
+            "prefix_cache_resets": c.prefix_cache_resets,
             "start_waves_sent": c.start_waves_sent[-20:],
             "wave_completes_sent": c.wave_completes_sent[-20:],
             "hang_count": len(self.hangs),

@@ -1,8 +1,8 @@
 """vLLM 0.33's own KV event code against this project's decoders and endpoint rule.
 
 vLLM's unmodified `vllm/distributed/kv_events.py` comes from the pinned wheel
-(see `tests/compat/vllm_source.py`); only its imports of vLLM's config,
-logger, network helpers and the block-hash type alias are replaced. Its event
+(through `tools/vllm_wheel.py`); only its imports of vLLM's config, logger,
+network helpers and the block-hash type alias are replaced. Its event
 structs produce the bytes, and its `ZmqEventPublisher` runs for real on
 loopback TCP, publishing and replaying, for DP rank 3 so that every address
 goes through the per-rank port offset.
@@ -10,7 +10,6 @@ goes through the per-rank port offset.
 
 from __future__ import annotations
 
-import logging
 import socket
 import time
 import types
@@ -40,39 +39,20 @@ from coordinator.protocol.kv_events import (
     offset_endpoint,
     subscription_for,
 )
-from tests.compat.vllm_source import load_vllm_module
+from tests.compat.vllm_stand_ins import KV_STAND_INS
+from tools import vllm_wheel
 
 RANK = 3
 WAIT_S = 10.0
 
 
-class KVEventsConfigStandIn:
-    """vLLM's `KVEventsConfig` is a pydantic config; the publisher only builds one."""
-
-    def __init__(self, **fields: Any) -> None:
-        self.__dict__.update(fields)
-
-
-def _unused_split(path: str) -> Any:  # only reached for tcp://*:0, which no test uses
-    raise AssertionError(f"unexpected split_zmq_path({path!r})")
-
-
 @pytest.fixture(scope="module")
 def vllm_kv() -> types.ModuleType:
-    return load_vllm_module(
-        "vllm.distributed.kv_events",
-        {
-            "vllm.config.kv_events": {"KVEventsConfig": KVEventsConfigStandIn},
-            "vllm.logger": {"init_logger": logging.getLogger},
-            "vllm.utils.network_utils": {
-                "get_ip": lambda: "127.0.0.1",
-                "get_tcp_uri": lambda ip, port: f"tcp://{ip}:{port}",
-                "is_valid_ipv6_address": lambda ip: False,
-                "split_zmq_path": _unused_split,
-            },
-            "vllm.v1.core.kv_cache_utils": {"ExternalBlockHash": bytes | int},
-        },
-    )
+    try:
+        modules = vllm_wheel.load("vllm.distributed.kv_events", stand_ins=KV_STAND_INS)
+    except vllm_wheel.WheelUnavailable as exc:
+        pytest.skip(f"vLLM {vllm_wheel.VLLM_VERSION} wheel unavailable: {exc}")
+    return modules["vllm.distributed.kv_events"]
 
 
 def vllm_batch(kv: types.ModuleType, batch: KVEventBatch) -> Any:

@@ -186,3 +186,30 @@ def test_vllms_socket_factory_works_through_the_stand_ins(shared_wheel: Path,
                 sock.close(0)
         finally:
             ctx.term()
+
+
+def test_a_callers_stand_ins_replace_vllms_modules_and_are_gone_afterwards(
+        shared_wheel: Path) -> None:
+    class Config:
+        def __init__(self, **fields: object) -> None:
+            self.fields = fields
+
+    before = set(sys.modules)
+    modules = vllm_wheel.load(
+        "vllm.distributed.kv_events",
+        # vllm.logger would run from source by default; the stand-in wins.
+        real=("vllm.logger",),
+        stand_ins={"vllm.config.kv_events": {"KVEventsConfig": Config},
+                   "vllm.logger": {"init_logger": lambda name: f"logger {name}"},
+                   "vllm.v1.core.kv_cache_utils": {"ExternalBlockHash": bytes | int}})
+    kv = modules["vllm.distributed.kv_events"]
+    assert kv.KVEventsConfig is Config
+    assert kv.logger == "logger vllm.distributed.kv_events"
+    # Names a stand-in does not give are placeholders, as in any stub module.
+    assert issubclass(kv.get_ip, vllm_wheel.Stub)
+    assert kv.__file__.startswith(str(vllm_wheel.source_root()))
+    assert not [m for m in set(sys.modules) - before if m.startswith("vllm")]
+    # The module keeps working after the import system was restored.
+    batch = kv.KVEventBatch(ts=1.0, events=[kv.AllBlocksCleared()], data_parallel_rank=2)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(batch)) == [
+        1.0, [{"type": "AllBlocksCleared"}], 2]

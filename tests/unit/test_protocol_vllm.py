@@ -67,6 +67,7 @@ from coordinator.protocol import (
     encode_ready_response,
     encode_scale_elastic_ep,
     encode_start_dp_wave,
+    vllm,
 )
 
 TS = 1234.5678  # a known engine timestamp
@@ -1281,3 +1282,14 @@ def test_valid_engine_outputs_round_trip_through_both_decoders(msg: EngineCoreOu
             current_wave=stats.current_wave,
             kv_cache_usage=stats.kv_cache_usage,
         )
+
+
+def test_finished_request_ids_reads_finish_reasons_and_the_finished_set_once_each() -> None:
+    # vLLM's EngineCoreOutput is an array: [request_id, new_token_ids, ..., finish_reason (5), ...]
+    running = ["r1", [7], None, None, None, None]
+    stopped = ["r2", [8], None, None, None, 1]
+    message = vllm.EngineCoreOutputs(
+        engine_index=0, outputs=[running, stopped, "junk", [3, [], None, None, None, 0]],
+        finished_requests=["r3", "r2"],
+    )
+    assert vllm.finished_request_ids(message) == ["r2", "r3"]

@@ -29,9 +29,11 @@ def test_an_unknown_name_is_an_attribute_error() -> None:
         exec("from coordinator.sim import SimGroup", {})
 
 
-def test_the_load_generator_loads_the_request_codec_without_the_engine_model() -> None:
+def test_the_load_generator_loads_its_traffic_modules_without_the_engine_model() -> None:
     probe = ("import sys, coordinator.loadgen; "
              "print(sorted(m for m in sys.modules if m.startswith('coordinator.sim')))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          timeout=20, check=True).stdout
-    assert out.strip() == "['coordinator.sim', 'coordinator.sim.request']"
+    assert out.strip() == str(["coordinator.sim", "coordinator.sim.outputs",
+                               "coordinator.sim.request", "coordinator.sim.traffic",
+                               "coordinator.sim.workload"])
