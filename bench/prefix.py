@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -108,16 +109,20 @@ def _free_port() -> int:
 
 
 def _free_port_run(count: int) -> int:
-    """The first of ``count`` consecutive free loopback ports (vLLM offsets by rank)."""
-    for _ in range(100):
-        first = _free_port()
-        if first + count > 65535:
-            continue
+    """The first of ``count`` consecutive free loopback ports (vLLM offsets by rank).
+
+    Taken below Linux's ephemeral range, where a busy machine's outgoing
+    connections do not come and go, and probed as libzmq binds (SO_REUSEADDR).
+    """
+    rng = random.Random()
+    for _ in range(200):
+        first = rng.randrange(20000, 32000 - count)
         probes: list[socket.socket] = []
         try:
             for port in range(first, first + count):
                 probe = socket.socket()
                 probes.append(probe)
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 probe.bind(("127.0.0.1", port))
         except OSError:
             continue
@@ -184,6 +189,7 @@ def run_one(plan: Plan, ranks: int, mode: str, policy: str, seed: int,
              "--metrics-port", str(metrics_port), "--log-level", "warning"]
     if mode == "dense":
         serve.append("--no-wave-coordination")
+    serve += os.environ.get("PREFIX_EXTRA", "").split()
     engines = [sys.executable, "-m", "coordinator.sim", "group", "--engines", str(ranks),
                "--addr-file", addr_file, "--step-ms", f"{step_ms:g}",
                "--block-size", str(plan.block_size), "--kv-blocks", str(plan.kv_blocks),
