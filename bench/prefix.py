@@ -26,9 +26,9 @@ permitting: `coordinator.sim.workload.ideal_reuse`), hit tokens and the hit
 rate, prompt tokens computed (prefill), time to first token p50/p99 (submit
 -> first token at the frontend), the balance ratio (mean/max of decode steps
 per rank) and the coordinator's routing decision latency p99, read from its
-`/metrics` when it exports a `*route_decision_seconds` histogram (empty until
-it does). Goals for a prefix-aware policy are checked against the baseline
-measured in the same run.
+`/metrics` (its `*route_decision_seconds` histogram: the event loop's CPU
+time over each submit). Goals for a prefix-aware policy are checked against
+the baseline measured in the same run.
 
 Results: `bench/results/prefix.json` and `PREFIX.md` for a full run;
 `bench/results/{quick,smoke}/` otherwise (git-ignored). Only a full run
@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -107,6 +108,31 @@ def _free_port() -> int:
     return port
 
 
+def _free_port_run(count: int) -> int:
+    """The first of ``count`` consecutive free loopback ports (vLLM offsets by rank).
+
+    Taken below Linux's ephemeral range, where a busy machine's outgoing
+    connections do not come and go, and probed as libzmq binds (SO_REUSEADDR).
+    """
+    rng = random.Random()
+    for _ in range(200):
+        first = rng.randrange(20000, 32000 - count)
+        probes: list[socket.socket] = []
+        try:
+            for port in range(first, first + count):
+                probe = socket.socket()
+                probes.append(probe)
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        finally:
+            for probe in probes:
+                probe.close()
+        return first
+    raise RuntimeError(f"no {count} consecutive free ports")
+
+
 def _env() -> dict[str, str]:
     env = os.environ.copy()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -163,6 +189,7 @@ def run_one(plan: Plan, ranks: int, mode: str, policy: str, seed: int,
              "--metrics-port", str(metrics_port), "--log-level", "warning"]
     if mode == "dense":
         serve.append("--no-wave-coordination")
+    serve += os.environ.get("PREFIX_EXTRA", "").split()
     engines = [sys.executable, "-m", "coordinator.sim", "group", "--engines", str(ranks),
                "--addr-file", addr_file, "--step-ms", f"{step_ms:g}",
                "--block-size", str(plan.block_size), "--kv-blocks", str(plan.kv_blocks),
@@ -170,6 +197,11 @@ def run_one(plan: Plan, ranks: int, mode: str, policy: str, seed: int,
                "--log-level", "WARNING"]
     if mode == "dense":
         engines.append("--dense")
+    # Every engine publishes vLLM's KV events and names its publisher in its greeting,
+    # whatever the policy; a policy that reads them follows them there.
+    events = _free_port_run(2 * ranks)
+    engines += ["--kv-events-endpoint", f"tcp://*:{events}",
+                "--kv-events-replay-endpoint", f"tcp://*:{events + ranks}"]
     load = [sys.executable, "-m", "coordinator.loadgen", "--addr-file", addr_file,
             "--frontends", "2", "--workload", "chat", "--seed", str(seed),
             "--sessions", str(plan.sessions_per_rank * ranks),
@@ -317,7 +349,7 @@ def markdown(data: dict[str, Any]) -> str:
         f"Chat workload, seed {data['seed']}; {data['machine']['cpu']}, "
         f"{data['machine']['cores']} cores. Hit rate = hit tokens / prompt tokens; ideal = "
         "every turn on the rank holding its history, capacity permitting. Decision p99 is "
-        "read from the coordinator's metrics (- until it exports it).", "",
+        "the coordinator's CPU time over a submit, from its metrics (a bucket bound).", "",
         "| ranks | mode | policy | requests | hit rate | ideal | of ideal | prefill tokens "
         "| TTFT p50 / p99 (ms) | balance | decision p99 (µs) |",
         "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",

@@ -103,12 +103,13 @@ class LauncherFlagError(ValueError):
 SERVE_OPTIONS: Final = frozenset({
     "--addr-file", "--bind", "--coord-store-port", "--curve-clients-dir", "--curve-secret-key",
     "--engines", "--frontends", "--handshake-timeout-s", "--heartbeat-s", "--help", "--host",
-    "--insecure", "--ipc-dir", "--lease-ttl-s", "--log-level", "--loop", "--master-ip",
+    "--insecure", "--ipc-dir", "--kv-block-size", "--kv-events-endpoint",
+    "--kv-events-replay-endpoint", "--lease-ttl-s", "--log-level", "--loop", "--master-ip",
     "--master-port", "--metrics-host", "--metrics-port", "--no-watchdog-rewake",
-    "--no-wave-coordination", "--policy", "--port-base", "--publish-interval-ms",
-    "--rank-start", "--recorder-size", "--state-file", "--vllm-compat", "--watchdog-stall-s",
-    "--max-engine-message-bytes", "--max-request-bytes", "--admin-keys-dir", "--min-engines",
-    "--max-engines", "--frontend-lease-ttl-s",
+    "--no-wave-coordination", "--policy", "--port-base", "--prefix-slack-tokens",
+    "--publish-interval-ms", "--rank-start", "--recorder-size", "--state-file", "--vllm-compat",
+    "--watchdog-stall-s", "--max-engine-message-bytes", "--max-request-bytes", "--admin-keys-dir",
+    "--min-engines", "--max-engines", "--frontend-lease-ttl-s",
 })
 """Every long option of `dp-coordinator serve`, which argparse matches by unique prefix.
 

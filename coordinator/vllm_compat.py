@@ -76,6 +76,7 @@ __all__ = [
     "EXTRA_ARGS_ENV",
     "IPC",
     "PROCESS_NAME",
+    "ROUTE_ADDRESS_ENV",
     "TCP",
     "CoordinatorProcess",
     "DPCoordinatorProcess",
@@ -97,6 +98,10 @@ DEFAULT_STARTUP_TIMEOUT_S: Final = 120.0
 
 EXTRA_ARGS_ENV: Final = "DP_COORDINATOR_SERVE_ARGS"
 """Extra `serve` flags (shell syntax), for deployments that cannot pass arguments."""
+
+ROUTE_ADDRESS_ENV: Final = "DP_COORDINATOR_ROUTE_ADDRESS"
+"""Set to the coordinator's `frontend` address for the processes started after it
+(`coordinator.vllm_plugin.ROUTE_ADDRESS_ENV`, where the plugin route reads it)."""
 
 _LOG_LEVELS: Final = {
     "debug": "debug",
@@ -576,6 +581,9 @@ class DPCoordinatorProcess:
             raise
         self._handle = handle
         self.addresses: dict[str, str] = dict(handle.addresses)
+        # vLLM starts its API servers after the coordinator and they inherit this: with
+        # DP_COORDINATOR_ROUTE=1 they ask for ranks there (coordinator.vllm_plugin).
+        os.environ[ROUTE_ADDRESS_ENV] = self.addresses["frontend"]
         forwarder: _LogForwarder | None = None
         try:
             self.proc = CoordinatorProcess(handle.process, prefer_pidfd=prefer_pidfd)

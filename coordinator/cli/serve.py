@@ -76,8 +76,12 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.add_argument("--handshake-timeout-s", type=float, default=1800.0, metavar="S",
                    help="how long an engine may take between HELLO and READY; vLLM loads "
                    "its model there, silently (default 1800)")
-    p.add_argument("--policy", default="least-loaded", choices=["least-loaded", "p2c"],
-                   help="how submitted requests pick a rank (default least-loaded)")
+    p.add_argument("--policy", default="least-loaded", choices=["least-loaded", "p2c", "prefix"],
+                   help="how submitted requests pick a rank (default least-loaded): "
+                   "least-loaded scans every rank's load; p2c compares two at random; prefix "
+                   "weighs each rank's load in tokens against the prompt tokens it has "
+                   "cached, from the engines' KV cache events (see --kv-events-endpoint)")
+    add_prefix_arguments(p)
     p.add_argument("--frontend-lease-ttl-s", type=float, default=30.0, metavar="S",
                    help="a frontend registration with no message or heartbeat for this long "
                    "expires, freeing its slot (the SDK heartbeats every S/3) (default 30)")
@@ -114,6 +118,30 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
                    choices=["debug", "info", "warning", "error"], help="default info")
     add_observability_arguments(p)
     add_curve_arguments(p)
+
+
+def add_prefix_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `serve` flags for KV cache events and the prefix policy."""
+    group = parser.add_argument_group("prefix-cache routing")
+    group.add_argument("--kv-events-endpoint", default=None, metavar="ENDPOINT",
+                       help="follow every rank's KV cache event publisher: the endpoint as "
+                       "given to vLLM's --kv-events-config (e.g. tcp://*:5557), offset by the "
+                       "rank as vLLM's publisher does; a * host means the host the rank's "
+                       "engine connected from, else loopback; where the publisher connects, "
+                       "the coordinator binds. Engines that say where they publish (in their "
+                       "greeting on dispatch) are followed there instead. Default: only those, "
+                       "and only with --policy prefix")
+    group.add_argument("--kv-events-replay-endpoint", default=None, metavar="ENDPOINT",
+                       help="the publishers' replay endpoint (vLLM's replay_endpoint), offset "
+                       "the same way: lost batches are asked for again there; without it a "
+                       "lost batch empties that rank's index")
+    group.add_argument("--kv-block-size", type=int, default=None, metavar="N",
+                       help="tokens per KV cache block (default: from the engines' greetings, "
+                       "else from their first stored block)")
+    group.add_argument("--prefix-slack-tokens", type=float, default=256.0, metavar="T",
+                       help="--policy prefix: the extra load, in tokens, accepted to keep a "
+                       "request on the rank with its longest cached prefix or its "
+                       "conversation (0: the lowest cost wins; default 256)")
 
 
 def add_curve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -187,5 +215,9 @@ def run_serve(args: argparse.Namespace) -> int:
         curve_clients_dir=args.curve_clients_dir,
         admin_keys_dir=args.admin_keys_dir,
         insecure=args.insecure,
+        kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+        kv_block_size=args.kv_block_size,
+        prefix_slack_tokens=args.prefix_slack_tokens,
     )
     return run_server(config)

@@ -17,6 +17,7 @@ since it started, in total (its `submit.dispatched` counter) and per rank (only
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -66,6 +67,8 @@ class TopRank:
     dispatched_since_report: int | None
     """Dispatched since the rank's last stats report (frontend source only; not shown)."""
     report_age_s: float | None
+    cached_blocks: int | None = None
+    """Blocks the prefix index holds for the rank (HTTP source, KV events followed)."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,8 @@ class TopFrame:
     """Active alerts; None when the source cannot say (frontend socket)."""
     frontends: int | None = None
     shutting_down: bool = False
+    prefix: dict[str, Any] | None = None
+    """The KV event plane (HTTP source), as /state's ``prefix``."""
 
     @property
     def dispatched_total(self) -> int | None:
@@ -157,6 +162,11 @@ def frame_from_state_json(data: Mapping[str, Any], *, taken_at: float, source: s
             dispatched_since_report=_int(since) if since is not None else None,
             report_age_s=_opt_float(row.get("report_age_s")),
         ))
+    prefix = data.get("prefix")
+    if isinstance(prefix, Mapping):
+        cached = {_int(row.get("rank")): _int(row.get("blocks"))
+                  for row in prefix.get("ranks", []) if isinstance(row, Mapping)}
+        ranks = [dataclasses.replace(r, cached_blocks=cached.get(r.rank)) for r in ranks]
     counters = data.get("counters")
     watchdog = data.get("watchdog")
     waves_total = data.get("waves_total")
@@ -177,6 +187,7 @@ def frame_from_state_json(data: Mapping[str, Any], *, taken_at: float, source: s
         if isinstance(watchdog, list) else None,
         frontends=_int(frontends) if frontends is not None else None,
         shutting_down=bool(data.get("shutting_down", False)),
+        prefix=dict(prefix) if isinstance(prefix, Mapping) else None,
     )
 
 
@@ -310,8 +321,9 @@ def render(frame: TopFrame, rates: Rates, *, error: str | None = None) -> Render
         "-" if frame.dispatched_total is None else str(frame.dispatched_total),
     )
     table = Table(box=None, pad_edge=False, header_style="bold")
+    cached_column = any(r.cached_blocks is not None for r in frame.ranks)
     for name in ("rank", "state", "waiting", "running", "kv", "dispatched", "in flight",
-                 "report age"):
+                 "report age", *(("cached",) if cached_column else ())):
         table.add_column(name, justify="left" if name == "state" else "right",
                          no_wrap=name == "state", overflow="fold")
     for r in frame.ranks:
@@ -321,16 +333,50 @@ def render(frame: TopFrame, rates: Rates, *, error: str | None = None) -> Render
             str(r.waiting), str(r.running), f"{r.kv_cache_usage:.0%}",
             "-" if r.dispatched is None else str(r.dispatched),
             str(r.in_flight), "-" if r.report_age_s is None else f"{r.report_age_s:.1f}s",
+            *((str(r.cached_blocks) if r.cached_blocks is not None else "-",)
+              if cached_column else ()),
         )
     totals_only = any(r.dispatched is None for r in frame.ranks)
-    parts: list[RenderableType] = [header, rate_line, table, Text(
+    parts: list[RenderableType] = [header, rate_line]
+    prefix_line = _prefix_line(frame)
+    if prefix_line is not None:
+        parts.append(prefix_line)
+    parts += [table, Text(
         "dispatched: requests sent since the coordinator started"
         + (" (per rank only over --url)" if totals_only else "")
-        + "; drained: draining with nothing in flight", style="dim")]
+        + "; drained: draining with nothing in flight"
+        + ("; cached: blocks in the rank's prefix cache" if cached_column else ""),
+        style="dim")]
     parts.append(_watchdog_line(frame.watchdog))
     if error is not None:
         parts.append(Text(f"{error}; showing the last reading", style="bold red"))
     return Group(*parts)
+
+
+def _prefix_line(frame: TopFrame) -> Text | None:
+    """Prefix-cache routing: estimated hit rate, decisions by reason, index size."""
+    counters = frame.counters
+    decisions = {key.removeprefix("route.decisions."): value for key, value in counters.items()
+                 if key.startswith("route.decisions.")}
+    if frame.prefix is None and not decisions:
+        return None
+    prompt = counters.get("route.prompt_tokens", 0)
+    cached = counters.get("route.cached_tokens", 0)
+    line = Text.assemble(("prefix hits ", "bold"), f"{cached / prompt:.0%}" if prompt else "-")
+    if decisions:
+        line.append("   decided by ", style="bold")
+        line.append(", ".join(f"{reason} {count}" for reason, count in
+                              sorted(decisions.items(), key=lambda item: -item[1])))
+    if frame.prefix is not None:
+        memory = frame.prefix.get("memory_bytes")
+        line.append("   index ", style="bold")
+        line.append(f"{_int(frame.prefix.get('total_blocks'))} blocks")
+        if isinstance(memory, (int, float)):
+            line.append(f", {memory / (1 << 20):.1f} MiB")
+        gaps = counters.get("kv.gaps", 0)
+        resets = sum(v for k, v in counters.items() if k.startswith("kv.resets."))
+        line.append(f"   gaps {gaps}  resets {resets}")
+    return line
 
 
 def _watchdog_line(alerts: Sequence[Mapping[str, Any]] | None) -> Text:

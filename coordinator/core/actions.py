@@ -16,6 +16,9 @@ Sends whose outcome matters report back (see ``coordinator.core.events``):
   otherwise it reports ``SendFailed`` and the core decides what follows (the
   next best rank, or a refusal).
 
+KV event publishers are followed with ``KVSubscribe`` / ``KVUnsubscribe`` and
+asked for missed batches with ``KVRequestReplay``.
+
 Counters and the flight recorder live in the core as plain data, so they are
 not actions. Logging is: ``Log.key``, when set, asks the server's rate limiter
 for at most one such line per interval.
@@ -30,6 +33,7 @@ from typing import Literal, TypeAlias
 import msgspec
 
 from coordinator.core.persisted import SavedState
+from coordinator.core.router import RoutePrompt
 
 SocketName: TypeAlias = Literal[
     "handshake", "dispatch", "back_output", "back_publish", "front_publish", "frontend",
@@ -83,6 +87,10 @@ class DispatchAdd(msgspec.Struct, frozen=True):
     wake: tuple[Action, ...] = ()
     tried: tuple[int, ...] = ()
     explicit: bool = False
+    cost: float = 0.0
+    """Tokens of work the prefix policy counted for the rank (taken back if the ADD fails)."""
+    prompt: RoutePrompt | None = None
+    """The prompt the prefix policy read, to choose again without reading it twice."""
 
 
 class Publish(msgspec.Struct, frozen=True):
@@ -119,6 +127,34 @@ class SetLinger(msgspec.Struct, frozen=True, gc=False):
     linger_ms: int
 
 
+class KVSubscribe(msgspec.Struct, frozen=True):
+    """Follow ``rank``'s KV event publisher: a SUB that binds or connects at ``address``,
+    and replay requests to ``replay_address`` (None: the publisher has no replay
+    endpoint). Replaces any earlier subscription of the rank."""
+
+    rank: int
+    address: str
+    bind: bool
+    replay_address: str | None = None
+
+
+class KVUnsubscribe(msgspec.Struct, frozen=True, gc=False):
+    """Stop following ``rank``'s publisher."""
+
+    rank: int
+
+
+class KVRequestReplay(msgspec.Struct, frozen=True, gc=False):
+    """Ask ``rank``'s publisher for its buffered batches from ``start_seq`` on.
+
+    Whatever an earlier request of the rank has not delivered yet is dropped
+    unread: its answer is no longer wanted.
+    """
+
+    rank: int
+    start_seq: int
+
+
 class RefreshObserved(msgspec.Struct, frozen=True, gc=False):
     """The operators' snapshot (HTTP) is out of date: refresh it soon, or now if ``force``."""
 
@@ -144,5 +180,6 @@ REARM_TIMER = RearmTimer()
 Action: TypeAlias = (
     Send | DispatchAdd | Publish | Log | SaveState | SetLinger | RefreshObserved | RearmTimer
     | CloseConnection
+    | KVSubscribe | KVUnsubscribe | KVRequestReplay
 )
 NO_ACTIONS: tuple[Action, ...] = ()

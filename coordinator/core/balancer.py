@@ -46,10 +46,15 @@ from dataclasses import dataclass
 from operator import itemgetter
 from typing import Protocol
 
+from coordinator.core.routing import RecentDispatches, pick_least_loaded_sticky
+
 # Extra weight for waiting requests on an engine whose KV cache is past this
 # fraction: a queue there drains slowly because new sequences cannot be admitted.
 KV_PRESSURE_THRESHOLD = 0.5
 KV_PRESSURE_WEIGHT = 6.0
+# Picks the tie rule looks back on: enough to spread an idle group's new work
+# evenly, short enough to forget a burst within a few seconds of traffic.
+RECENT_WINDOW = 256
 
 Row = tuple[int, int, float]
 
@@ -288,54 +293,58 @@ def load_score(load: RankLoad) -> float:
 
 
 class BalancePolicy(Protocol):
-    """Chooses one rank among `candidates` (all dispatchable) or None if there are none."""
+    """Chooses one rank among `candidates` (all dispatchable) or None if there are none.
+
+    `session_rank`, when the caller knows it, is the rank that served the
+    request's session last; policies prefer it among equally good ranks.
+    """
 
     name: str
 
-    def pick(self, table: LoadTable, candidates: Sequence[int]) -> int | None: ...
-
-
-def pick_least_loaded(table: LoadTable, candidates: Sequence[int], start: int) -> int | None:
-    """The candidate with the lowest score, scanning from position `start % len`.
-
-    Ties go to the first one scanned. Candidates without a row in the table
-    cannot be scored and are skipped.
-    """
-    count = len(candidates)
-    if count == 0:
-        return None
-    # Unscorable candidates get +inf so they only "win" when nothing else exists.
-    candidate_scores = table.scores_of(candidates)
-    low = min(candidate_scores)
-    if low == math.inf:
-        return None
-    # The first candidate with the lowest score at or after `start`, else from the
-    # beginning: the same rotating scan, done by list.index in C.
-    first = start % count
-    try:
-        index = candidate_scores.index(low, first)
-    except ValueError:
-        index = candidate_scores.index(low)
-    return candidates[index]
+    def pick(self, table: LoadTable, candidates: Sequence[int],
+             session_rank: int | None = None) -> int | None: ...
 
 
 class LeastLoaded:
-    """Full scan for the lowest score; the scan start rotates by one per pick.
+    """Full scan for the lowest score; ties by the sticky rule, never by rotation.
 
-    Rotation makes equally loaded engines take turns instead of the lowest
-    rank taking every tie. `rng` is accepted so every entry of `POLICIES` is
-    built the same way; this policy needs no randomness.
+    Equal scores go to the session's last rank when the caller knows it, then
+    to the rank that got the fewest of the last ``RECENT_WINDOW`` picks, then
+    to the lowest rank id (``routing.pick_least_loaded_sticky``). A rotating
+    tie-break would send consecutive turns of one conversation to different
+    ranks whenever the group is idle, each turn missing the prefix cache the
+    previous one built (vLLM issue 52463); this rule is deterministic and
+    still spreads new work over the ranks that recently got least. `rng` is
+    accepted so every entry of `POLICIES` is built the same way; this policy
+    needs no randomness.
     """
 
     name = "least-loaded"
 
-    def __init__(self, rng: random.Random | None = None, *, start: int = 0) -> None:
-        self._start = start
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self.recent = RecentDispatches(RECENT_WINDOW)
 
-    def pick(self, table: LoadTable, candidates: Sequence[int]) -> int | None:
-        chosen = pick_least_loaded(table, candidates, self._start)
-        if chosen is not None:
-            self._start = (self._start + 1) % len(candidates)
+    def pick(self, table: LoadTable, candidates: Sequence[int],
+             session_rank: int | None = None) -> int | None:
+        count = len(candidates)
+        if count == 0:
+            return None
+        # Unscorable candidates get +inf so they only "win" when nothing else exists.
+        candidate_scores = table.scores_of(candidates)
+        low = min(candidate_scores)
+        if low == math.inf:
+            return None
+        if candidate_scores.count(low) == 1:
+            chosen = candidates[candidate_scores.index(low)]
+        else:
+            tied = [r for r, score in zip(candidates, candidate_scores, strict=True)
+                    if score == low]
+            picked = pick_least_loaded_sticky([low] * len(tied), tied,
+                                              session_rank=session_rank,
+                                              recent=self.recent.counts(tied))
+            assert picked is not None  # tied is never empty
+            chosen = picked[0]
+        self.recent.note(chosen)
         return chosen
 
 
@@ -345,41 +354,33 @@ class PowerOfTwoChoices:
     Load reports lag behind the engines by up to one stats interval; on such
     information a full scan can send a burst to the same apparently idle
     engine (herding), while the best of two random choices stays close to
-    balanced, especially for large groups. Ties go to the sample
-    nearer a rotating start position, as in `LeastLoaded`. Randomness comes
-    only from the injected `rng`, so runs are reproducible.
+    balanced, especially for large groups. Equal samples are decided by the
+    same sticky rule as `LeastLoaded`. Randomness comes only from the
+    injected `rng`, so runs are reproducible.
     """
 
     name = "p2c"
 
     def __init__(self, rng: random.Random) -> None:
         self._rng = rng
-        self._start = 0
+        self._scan = LeastLoaded()
+        self.recent = self._scan.recent
 
-    def pick(self, table: LoadTable, candidates: Sequence[int]) -> int | None:
+    def pick(self, table: LoadTable, candidates: Sequence[int],
+             session_rank: int | None = None) -> int | None:
         count = len(candidates)
         if count < 2:
-            return pick_least_loaded(table, candidates, 0)
+            return self._scan.pick(table, candidates, session_rank)
         first = self._rng.randrange(count)
         second = self._rng.randrange(count - 1)
         if second >= first:
             second += 1
-        first_rank, second_rank = candidates[first], candidates[second]
-        if not (table._has_rank(first_rank) and table._has_rank(second_rank)):
+        pair = [candidates[first], candidates[second]]
+        if not (table._has_rank(pair[0]) and table._has_rank(pair[1])):
             # Only reachable if the caller passed ranks the table does not
             # cover; a scan skips them reliably.
-            chosen = pick_least_loaded(table, candidates, self._start)
-        else:
-            first_score = table.score(first_rank)
-            second_score = table.score(second_rank)
-            if first_score == second_score:
-                # Prefer whichever position comes first scanning from the start.
-                take_first = (first - self._start) % count < (second - self._start) % count
-            else:
-                take_first = first_score < second_score
-            chosen = first_rank if take_first else second_rank
-        self._start = (self._start + 1) % count
-        return chosen
+            return self._scan.pick(table, candidates, session_rank)
+        return self._scan.pick(table, pair, session_rank)
 
 
 POLICIES: dict[str, Callable[..., BalancePolicy]] = {

@@ -39,6 +39,7 @@ from coordinator.core.claims import SilentConnections
 from coordinator.core.events import HandshakeReceived
 from coordinator.core.frontends import FrontendRegistry
 from coordinator.core.gate import GateStep, StartGate
+from coordinator.core.kv_plane import KVPlane, KVSettings
 from coordinator.core.membership import EngineLease, Membership, RankChanged, RankState
 from coordinator.core.persisted import STATE_VERSION, SavedLease, SavedState
 from coordinator.core.publishing import PublishSchedule
@@ -50,6 +51,8 @@ from coordinator.core.recorder import (
     WaveTimeline,
 )
 from coordinator.core.requests import RequestLedger
+from coordinator.core.router import PREFIX_POLICY, PrefixRouter
+from coordinator.core.routing import RoutingConfig, SessionAffinity
 from coordinator.core.watchdog import HangWatchdog
 from coordinator.core.waves import BroadcastStartWave, PublishWave, WaveAction, WaveState
 from coordinator.protocol import frontend as fp
@@ -93,6 +96,10 @@ class CoreConfig:
     rewake_after_s: float = 1.0
     observe_interval_s: float = 0.25
     state_retry_s: float = 1.0
+    kv: KVSettings | None = None
+    """Follow the engines' KV cache events (None: do not)."""
+    prefix_slack_tokens: float = 256.0
+    """The prefix policy's load/cache trade-off (``RoutingConfig.slack_tokens``)."""
 
 
 class CoreContext:
@@ -107,7 +114,14 @@ class CoreContext:
         )
         self.waves = WaveState(lockstep=config.lockstep, rewake_after_s=config.rewake_after_s)
         self.loads = LoadTable(config.rank_start + config.engines)
-        self.policy: BalancePolicy = make_policy(config.policy, rng)
+        prefix = config.policy == PREFIX_POLICY
+        # The prefix policy decides through the router; the plain policy answers the rest.
+        self.policy: BalancePolicy = make_policy("least-loaded" if prefix else config.policy, rng)
+        self.router = PrefixRouter(
+            RoutingConfig(lockstep=config.lockstep, slack_tokens=config.prefix_slack_tokens),
+            config.rank_start + config.engines) if prefix else None
+        self.sessions = SessionAffinity()
+        self.kv = KVPlane(config.kv) if config.kv is not None and config.kv.enabled else None
         self.schedule = PublishSchedule(
             min_interval_s=config.publish_interval_s, heartbeat_s=config.heartbeat_s,
             first_publish_delay_s=config.first_publish_delay_s,
@@ -164,9 +178,38 @@ class CoreContext:
             counters["stats.superseded"] = self._stats_superseded
         if self._dispatched:
             counters["submit.dispatched"] = self._dispatched
+        if self.kv is not None or self.router is not None:
+            counters.update(self._prefix_counters())
         if self.extra_counters is not None:
             counters.update(self.extra_counters())
         return counters
+
+    def _prefix_counters(self) -> dict[str, int]:
+        """The KV event and routing counters, under ``kv.`` and ``route.``."""
+        out: dict[str, int] = {}
+        kv = self.kv
+        if kv is not None:
+            for name, value in vars(kv.streams.counters).items():
+                out[f"kv.{name}"] = value
+            for kind, value in kv.counters.events.items():
+                out[f"kv.events.{kind}"] = value
+            out["kv.events.unknown"] = kv.counters.unknown_events
+            for reason, value in kv.counters.bad_batches.items():
+                out[f"kv.bad_batches.{reason}"] = value
+            for cause, value in kv.counters.resets.items():
+                out[f"kv.resets.{cause}"] = value
+            if kv.index is not None:
+                for name, value in vars(kv.index.counters).items():
+                    out[f"prefix_index.{name}"] = value
+        router = self.router
+        if router is not None:
+            for reason, value in router.counters.reasons.items():
+                out[f"route.decisions.{reason}"] = value
+            out["route.prompt_tokens"] = router.counters.prompt_tokens
+            out["route.cached_tokens"] = router.counters.cached_tokens
+            out["route.unmatched"] = router.counters.unmatched
+        # Like every other counter, one appears once it counted something.
+        return {name: value for name, value in out.items() if value}
 
     def group_state(self, now: float) -> fp.GroupState:
         """The group as the frontend protocol's ``state`` reply shows it."""
@@ -307,6 +350,7 @@ class CoreContext:
                   key=f"rank:{change.rank}:{change.new.value if change.new else 'absent'}")
         if change.new in (RankState.DEAD, None):
             self.counters["lease.dead"] += 1
+            self._forget_rank_cache(change.rank, "rank_gone")
             failed = self._fail_rank_requests(change.rank, change.cause)
             lease = self.membership.lease(change.rank)
             if lease is not None and lease.died_from is not None:
@@ -323,6 +367,13 @@ class CoreContext:
                 self._log(ERROR, "dp_rank=%d is gone (%s): in lockstep mode the group cannot "
                           "finish a wave until it is back", change.rank, change.cause,
                           key=f"gone:{change.rank}")
+
+    def _forget_rank_cache(self, rank: int, cause: str) -> None:
+        """The rank's engine is gone or replaced: nothing it cached is there any more."""
+        kv = self.kv
+        if kv is not None and rank in kv.streams:
+            kv.reset_rank(rank, cause)
+            kv.streams.reset(rank)
 
     def _fail_rank_requests(self, rank: int, reason: str) -> list[str]:
         failed: list[str] = []

@@ -17,13 +17,17 @@ machine                     rule
 ``balancer``                per-rank load and the policy that picks a rank
 ``publishing``              when full ``[counts, wave, running]`` go out
 ``watchdog``, ``recorder``  hang alerts; the flight recorder and wave times
+``kv_plane``, ``kv_stream`` each rank's KV events, in order, into the index
+``router``                  the ``prefix`` policy: the routing rule's inputs
 ==========================  =================================================
 
 and adds the glue between them: what an event means for each machine, and
 which frames, logs and counters follow. The glue is split by who sent the
 event: ``engine_rules`` (handshakes, greetings, reports, the gate, the lease
 and watchdog timers) and ``frontend_rules`` (registrations and requests), over
-the shared state and helpers of ``context``; this module dispatches events and
+the shared state and helpers of ``context``, with ``kv_rules`` (KV event
+publishers and their batches) and ``route_rules`` (the choice of a rank, and
+``route`` calls) beside them; this module dispatches events and
 handles the rest (send outcomes, timers, the process's own life, bad input).
 Feed it with ``handle(event, now)``;
 it returns the actions to carry out, in order (usually none or one).
@@ -68,6 +72,12 @@ from coordinator.core.events import (
     FrontendSubscribed,
     FrontendUnsubscribed,
     HandshakeReceived,
+    KVBadMessage,
+    KVBatchReceived,
+    KVDrain,
+    KVPublisherConnected,
+    KVPublisherDisconnected,
+    KVReplayEnded,
     PeerConnected,
     PeerDisconnected,
     Restore,
@@ -110,6 +120,12 @@ class CoordinatorCore(EngineRules, FrontendRules):
             vllm.ScaleElasticEP: self._on_resize,
             vllm.LegacyFirstRequest: self._on_legacy_first_request,
             FrontendRequestReceived: self._on_frontend_request,
+            KVBatchReceived: self._on_kv_batch,
+            KVReplayEnded: self._on_kv_replay_ended,
+            KVBadMessage: self._on_kv_bad_message,
+            KVPublisherConnected: self._on_kv_publisher_connected,
+            KVPublisherDisconnected: self._on_kv_publisher_disconnected,
+            KVDrain: self._on_kv_drain,
             BadFrame: self._on_bad_frame,
             SendFailed: self._on_send_failed,
             SendSucceeded: self._on_send_succeeded,
@@ -157,6 +173,9 @@ class CoordinatorCore(EngineRules, FrontendRules):
             deadline = min(deadline, self.schedule.next_due(changed=changed))
         if self._save_retry_at is not None:
             deadline = min(deadline, self._save_retry_at)
+        replay_deadline = self._kv_deadline()
+        if replay_deadline is not None:
+            deadline = min(deadline, replay_deadline)
         return deadline
 
     # ---- send outcomes ---------------------------------------------------------------------
@@ -211,12 +230,14 @@ class CoordinatorCore(EngineRules, FrontendRules):
         if self._save_retry_at is not None and now >= self._save_retry_at:
             self._save_retry_at = None
             self._state_changed()
+        self._kv_timer(now)
 
     # ---- the process's own life ------------------------------------------------------------
 
     def _on_bound(self, event: Bound, now: float) -> None:
         self.addresses = dict(event.addresses)
         self.parallel_config = dict(event.parallel_config)
+        self._kv_start()
 
     def _on_restore(self, event: Restore, now: float) -> None:
         """Resume from a previous process's state file (see core.persisted)."""

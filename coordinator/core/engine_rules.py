@@ -21,7 +21,6 @@ from coordinator.core.actions import (
 )
 from coordinator.core.authority import resize_refusal
 from coordinator.core.claims import Greeting
-from coordinator.core.context import CoreContext
 from coordinator.core.events import (
     EngineGreeted,
     EngineSubscribed,
@@ -33,6 +32,7 @@ from coordinator.core.events import (
 )
 from coordinator.core.frontends import InitStep
 from coordinator.core.gate import GateStep
+from coordinator.core.kv_rules import KVRules
 from coordinator.core.liveness import ProbeAnswer, ProbeEffect
 from coordinator.core.membership import Accepted, EngineLease, ProbeHolder, RankChanged, Refused
 from coordinator.core.recorder import KIND_MEMBERSHIP, KIND_REFUSAL, KIND_WATCHDOG
@@ -42,7 +42,7 @@ from coordinator.protocol.errors import ProtocolError
 from coordinator.protocol.identity import identity_to_rank, rank_to_identity
 
 
-class EngineRules(CoreContext):
+class EngineRules(KVRules):
     """Handlers for what engines send, and the lease and watchdog timers."""
 
     # ---- engines: handshake ----------------------------------------------------------------
@@ -120,6 +120,7 @@ class EngineRules(CoreContext):
             self._log(WARNING, "dp_rank=%d: engine %s replaces %s (previous registration %s)",
                       lease.rank, lease.engine_id, result.replaced.engine_id,
                       result.replaced.state.value, key=f"replaced:{lease.rank}")
+            self._forget_rank_cache(lease.rank, "rank_replaced")
             self._fail_rank_requests(lease.rank, "the engine was replaced by a new incarnation")
             self._apply_wave_actions(self.waves.on_group_changed(), now,
                                      cause=f"dp_rank={lease.rank} has a new incarnation",
@@ -151,6 +152,11 @@ class EngineRules(CoreContext):
             self._drop("dispatch", "rank_out_of_range", f"dp_rank={rank}")
             return
         greeting = self.membership.greeted(rank, now, event.conn)
+        if greeting is not Greeting.SECOND_CLAIM:
+            # Not from a connection that spoofs a live rank: what it says of the engine's
+            # KV event publisher is followed (vLLM's own launcher may have done the
+            # handshake, so an unregistered greeting counts too).
+            self._kv_greeted(event, now)
         if greeting is Greeting.BOUND or greeting is Greeting.REPEATED:
             self.counters["dispatch.greetings"] += 1
             # Only the greeting that binds a connection is news: a connect is logged once,
@@ -198,6 +204,8 @@ class EngineRules(CoreContext):
             kv_cache_usage=stats.kv_cache_usage, wave=stats.current_wave,
             step=stats.step_counter, lockstep=self.config.lockstep,
         )
+        if self.router is not None:
+            self.router.on_report(rank)
         if outcome.stale:
             self.counters["stats.stale"] += 1
             self._log(INFO, "dp_rank=%d reported (wave %d, step %d), behind its previous "
@@ -264,10 +272,12 @@ class EngineRules(CoreContext):
             return
         self._log(INFO, "SCALE_ELASTIC_EP: %d -> %d engines", len(self.rank_range), count,
                   key="resize")
+        before = self.rank_range
         for change in self.membership.resize(count):
             self._on_rank_changed(change, now)
         self._rank_end = rank_start + count
         self.loads.resize(rank_start + count)
+        self._kv_resized(before)
         self.gate.expected = count
         self._out.append(REARM_TIMER)
 

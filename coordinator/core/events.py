@@ -17,6 +17,11 @@ with the protocol package's typed decoders and hands the core the result:
   READY or greeting came on, and reports ``PeerConnected`` and
   ``PeerDisconnected``.
 
+KV cache events from the engines' publishers come as ``KVBatchReceived``,
+``KVReplayEnded`` and ``KVBadMessage``, and ``KVPublisherConnected`` or
+``KVPublisherDisconnected`` when a connection to one comes up or ends;
+``KVDrain`` asks the core to apply one bounded slice of the queued ones.
+
 Outcomes of sends come back as ``SendFailed`` (always) and ``SendSucceeded``
 (only for a ``Send`` the core marked ``confirm``), right after the send and
 before any other event. Time comes with every event as ``now``; ``Tick`` is
@@ -37,6 +42,7 @@ from coordinator.core.persisted import SavedState
 from coordinator.protocol import frontend as fp
 from coordinator.protocol import vllm
 from coordinator.protocol.errors import ProtocolError
+from coordinator.protocol.kv_events import GreetingKV, KVEventBatch
 
 SendFailure: TypeAlias = Literal["full", "unreachable"]
 
@@ -52,11 +58,18 @@ class HandshakeReceived(msgspec.Struct, frozen=True):
 
 
 class EngineGreeted(msgspec.Struct, frozen=True, gc=False):
-    """The engine holding ``rank`` spoke on the dispatch socket (its ready greeting),
-    on connection ``conn`` (0: not known)."""
+    """The engine holding ``rank`` spoke on the dispatch socket (its ready greeting).
+
+    ``conn`` is the connection it came on (0: not known), ``kv`` what the greeting
+    says about the engine's prefix cache and KV event publisher (None when it says
+    nothing readable), ``host`` the address the engine connected from (tcp only).
+    """
 
     rank: int
     conn: int = 0
+    kv: GreetingKV | None = None
+    host: str | None = None
+    kv_unreadable: bool = False
 
 
 class PeerConnected(msgspec.Struct, frozen=True):
@@ -122,6 +135,47 @@ class BadFrame(msgspec.Struct, frozen=True):
     call_id: int = 0
 
 
+class KVBatchReceived(msgspec.Struct, frozen=True, gc=False):
+    """A batch of ``rank``'s KV events: live, or part of a replay answer (``replayed``)."""
+
+    rank: int
+    seq: int
+    batch: KVEventBatch
+    unknown_events: int = 0
+    replayed: bool = False
+
+
+class KVReplayEnded(msgspec.Struct, frozen=True, gc=False):
+    """The end marker of ``rank``'s replay answer."""
+
+    rank: int
+
+
+class KVBadMessage(msgspec.Struct, frozen=True):
+    """A message from ``rank``'s publisher that did not decode; ``seq`` if it was readable."""
+
+    rank: int
+    error: ProtocolError
+    seq: int | None = None
+    replayed: bool = False
+
+
+class KVPublisherConnected(msgspec.Struct, frozen=True, gc=False):
+    """The connection to ``rank``'s KV event publisher came up (first, or again)."""
+
+    rank: int
+
+
+class KVPublisherDisconnected(msgspec.Struct, frozen=True, gc=False):
+    """The connection to ``rank``'s KV event publisher ended."""
+
+    rank: int
+
+
+class KVDrain(msgspec.Struct, frozen=True, gc=False):
+    """Apply queued KV events to the prefix index, one bounded slice."""
+
+
 class SendFailed(msgspec.Struct, frozen=True):
     """The server could not hand ``action`` to its socket (peer gone, or queue full)."""
 
@@ -179,6 +233,7 @@ ENGINE_UNSUBSCRIBED = EngineUnsubscribed()
 FRONTEND_SUBSCRIBED = FrontendSubscribed()
 FRONTEND_UNSUBSCRIBED = FrontendUnsubscribed()
 DUMP_RECORDER = DumpRecorder()
+KV_DRAIN = KVDrain()
 
 Event: TypeAlias = (
     HandshakeReceived
@@ -193,6 +248,12 @@ Event: TypeAlias = (
     | vllm.ScaleElasticEP
     | vllm.LegacyFirstRequest
     | FrontendRequestReceived
+    | KVBatchReceived
+    | KVReplayEnded
+    | KVBadMessage
+    | KVPublisherConnected
+    | KVPublisherDisconnected
+    | KVDrain
     | BadFrame
     | SendFailed
     | SendSucceeded

@@ -1,9 +1,10 @@
 """The core's rules for frontends: registration, submits, finishes, aborts, admin, state.
 
 Admission and the in-flight ledger are ``core.requests``; registrations, the
-address pin and the INIT hold are ``core.frontends``; the rank comes from the
-balancer's policy over ``Membership.dispatchable()``. ``_on_submit`` is the
-dispatch hot path: one ``DispatchAdd`` for a submit to a running group.
+address pin and the INIT hold are ``core.frontends``; the rank comes from
+``core.route_rules`` (the balancer's policy, or the prefix router) over
+``Membership.dispatchable()``. ``_on_submit`` is the dispatch hot path: one
+``DispatchAdd`` for a submit to a running group.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from logging import INFO, WARNING
 
 from coordinator.core.actions import Action, DispatchAdd, Send, SendPurpose, SocketName
 from coordinator.core.authority import Authority, authority, not_authorized_message
-from coordinator.core.context import CoreContext
 from coordinator.core.events import FrontendRequestReceived
 from coordinator.core.frontends import RegisterVerdict
 from coordinator.core.membership import Refused
@@ -22,12 +22,14 @@ from coordinator.core.requests import (
     dispatch_refusal,
     explicit_rank_refusal,
 )
+from coordinator.core.route_rules import RouteRules
+from coordinator.core.router import RoutePrompt
 from coordinator.protocol import frontend as fp
 from coordinator.protocol import vllm
 from coordinator.protocol.identity import rank_to_identity
 
 
-class FrontendRules(CoreContext):
+class FrontendRules(RouteRules):
     """Handlers for what frontends send."""
 
     # ---- frontends -------------------------------------------------------------------------
@@ -47,6 +49,8 @@ class FrontendRules(CoreContext):
             self._on_heartbeat(event.identity, message, now)
         elif type(message) is fp.Register:
             self._on_register(event.identity, message, now)
+        elif type(message) is fp.Route:
+            self._on_route(event.identity, message)
         elif type(message) is fp.Abort:
             self._on_abort(event.identity, message)
         elif type(message) is fp.QueryState:
@@ -147,6 +151,9 @@ class FrontendRules(CoreContext):
             self._refuse_submit(identity, msg.call_id, msg.request_id, refusal)
             return
         rank = msg.dp_rank
+        prompt = self._read_prompt(msg.prompt, payload) if (
+            msg.prompt is not None or self.router is not None) else None
+        cost = 0.0
         if rank is not None:
             in_range = self.membership.check_rank(rank) is None
             dispatchable = in_range and rank in self.membership.dispatchable()
@@ -157,17 +164,22 @@ class FrontendRules(CoreContext):
                     rank_start=self.config.rank_start, rank_count=len(self.rank_range),
                 ))
                 return
+            if self.router is not None:
+                cost = self.router.commit_explicit(rank, prompt)
         else:
-            rank = self.policy.pick(self.loads, self.membership.dispatchable())
-            if rank is None:
+            chosen = self._choose(self.membership.dispatchable(), prompt)
+            if chosen is None:
                 self._refuse_submit(identity, msg.call_id, msg.request_id, NO_READY_ENGINE)
                 return
+            rank, cost, _reason = chosen
         self._dispatch(identity, msg.call_id, msg.request_id, msg.wave, payload, rank, now,
-                       tried=(), explicit=msg.dp_rank is not None, wake=None)
+                       tried=(), explicit=msg.dp_rank is not None, wake=None, cost=cost,
+                       prompt=prompt)
 
     def _dispatch(self, identity: bytes, call_id: int, request_id: str, stamped_wave: int,
                   payload: list[bytes], rank: int, now: float, *, tried: tuple[int, ...],
-                  explicit: bool, wake: tuple[Action, ...] | None) -> None:
+                  explicit: bool, wake: tuple[Action, ...] | None, cost: float = 0.0,
+                  prompt: RoutePrompt | None = None) -> None:
         if wake is None:
             # The wake leaves right after the ADD, so that the chosen engine holds its
             # request before its peers step (woken first, they could finish an idle wave
@@ -188,13 +200,15 @@ class FrontendRules(CoreContext):
         reply = Send("frontend", identity,
                      (fp.encode(fp.Submitted(call_id, request_id, rank, bool(wake))),))
         self._out.append(DispatchAdd(rank, rank_to_identity(rank), payload, reply, identity,
-                                     call_id, request_id, stamped_wave, wake, tried, explicit))
+                                     call_id, request_id, stamped_wave, wake, tried, explicit,
+                                     cost, prompt))
 
     def _dispatch_failed(self, add: DispatchAdd, now: float) -> None:
         """The ADD could not be sent: undo its commit, then the next best rank or a refusal."""
         rank = add.rank
         self.requests.forget(add.request_id)
         self.loads.note_dispatched(rank, -1)
+        self._unchoose(rank, add.cost)
         self.dispatched_by_rank[rank] -= 1
         self._dispatched -= 1
         tried = (*add.tried, rank)
@@ -205,7 +219,8 @@ class FrontendRules(CoreContext):
             # Leases past their TTL are buried by the lease timer; one not yet buried
             # fails its send here and the next best is tried.
             candidates = [r for r in self.membership.dispatchable() if r not in tried]
-            chosen = self.policy.pick(self.loads, candidates) if candidates else None
+            choice = self._choose(candidates, add.prompt)
+            chosen = None if choice is None else choice[0]
         if chosen is None:
             # The wave machine counts this wake as sent, so it is sent: at worst the group
             # runs one idle wave, where a wake it believes in but never got could leave
@@ -214,8 +229,10 @@ class FrontendRules(CoreContext):
             self._refuse_submit(add.frontend, add.call_id, add.request_id,
                                 dispatch_refusal(tried, explicit=add.explicit))
             return
+        assert choice is not None
         self._dispatch(add.frontend, add.call_id, add.request_id, add.stamped_wave,
-                       add.payload, chosen, now, tried=tried, explicit=False, wake=add.wake)
+                       add.payload, chosen, now, tried=tried, explicit=False, wake=add.wake,
+                       cost=choice[1], prompt=add.prompt)
 
     def _refuse_submit(self, identity: bytes, call_id: int, request_id: str,
                        refusal: Refusal) -> None:

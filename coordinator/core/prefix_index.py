@@ -232,19 +232,58 @@ class PromptBlocks:
 
     Build one per request (``PrefixIndex.prompt`` or ``PrefixIndex.prompt_for``)
     and query it as often as needed; keys computed by one query are reused.
+    Given an earlier prompt (``reuse``, say the previous turn of the same
+    conversation), the keys it computed for the blocks both share are taken
+    over instead of hashed again: the blocks are compared as bytes, which is
+    far cheaper than keying them.
     """
 
-    __slots__ = ("_data", "_extras", "_step", "keys", "num_blocks")
+    __slots__ = ("_bytes", "_data", "_extras", "_step", "keys", "num_blocks")
 
     def __init__(
-        self, block_size: int, tokens: Sequence[int], extras: Sequence[bytes] | None
+        self, block_size: int, tokens: Sequence[int], extras: Sequence[bytes] | None,
+        reuse: PromptBlocks | None = None,
     ) -> None:
         # The engine always computes the last prompt token itself.
         self.num_blocks = max(0, len(tokens) - 1) // block_size
-        self._data = memoryview(token_bytes(tokens[: self.num_blocks * block_size]))
+        self._bytes = token_bytes(tokens[: self.num_blocks * block_size])
+        self._data = memoryview(self._bytes)
         self._step = 4 * block_size
         self._extras = extras
         self.keys: list[BlockKey] = []
+        if reuse is not None and reuse._step == self._step and reuse.keys:
+            self.keys = reuse.keys[: self._shared_blocks(reuse)]
+
+    @property
+    def nbytes(self) -> int:
+        """Roughly what this prompt holds in memory (its token bytes and its keys)."""
+        return len(self._bytes) + 36 * len(self.keys) + 200
+
+    def _shared_blocks(self, other: PromptBlocks) -> int:
+        """How many leading blocks, among those ``other`` keyed, both prompts share."""
+        step = self._step
+        limit = min(len(other.keys), self.num_blocks)
+        # Bytes, not memoryviews: these compare with one memcmp, memoryviews item by item.
+        mine, theirs = self._bytes, other._bytes
+        if mine[: limit * step] != theirs[: limit * step]:
+            # Bisect for the first differing block: each probe is one C comparison.
+            low, high = 0, limit - 1
+            while low < high:
+                middle = (low + high + 1) // 2
+                if mine[: middle * step] == theirs[: middle * step]:
+                    low = middle
+                else:
+                    high = middle - 1
+            limit = low
+        extras, theirs_extras = self._extras, other._extras
+        if extras is None and theirs_extras is None:
+            return limit
+        if extras is None or theirs_extras is None:
+            return 0
+        for index in range(limit):
+            if extras[index] != theirs_extras[index]:
+                return index
+        return limit
 
     def key(self, index: int) -> BlockKey:
         """The key of block ``index`` (computing the keys before it as needed)."""
@@ -483,10 +522,12 @@ class PrefixIndex:
     # --- queries ---------------------------------------------------------
 
     def prompt(
-        self, tokens: Sequence[int], extras: Sequence[bytes] | None = None
+        self, tokens: Sequence[int], extras: Sequence[bytes] | None = None,
+        reuse: PromptBlocks | None = None,
     ) -> PromptBlocks:
-        """Prepare ``tokens`` (with per-block ``extras`` from ``prompt_extras``) for queries."""
-        return PromptBlocks(self.block_size, tokens, extras)
+        """Prepare ``tokens`` (with per-block ``extras`` from ``prompt_extras``) for queries,
+        taking over the keys ``reuse`` computed for the blocks both share."""
+        return PromptBlocks(self.block_size, tokens, extras, reuse)
 
     def prompt_for(self, request: AddRequestHead) -> PromptBlocks | None:
         """Prepare a decoded ADD request, or None if the index cannot match it."""
@@ -511,22 +552,39 @@ class PrefixIndex:
                 alive |= 1 << rank
         depth_of: dict[int, int] = {}
         get_owners = self._owners.get
-        # The prompt's keys, extended here as the walk goes (the hot loop of a
-        # query, so PromptBlocks.key is inlined).
         keys = prompt.keys
-        data, step, extras = prompt._data, prompt._step, prompt._extras
-        known = len(keys)
-        parent = keys[-1] if keys else ROOT_KEY
-        index = 0
         limit = prompt.num_blocks
+        index = 0
+        # Keys computed before (by an earlier query, or taken over from an earlier
+        # prompt): their owners are looked up in one C pass, and the walk visits
+        # only the blocks where some rank drops out.
+        known = min(len(keys), limit)
+        if alive and known:
+            owners = [get_owners(key, 0) for key in keys[:known]]
+            while alive and index < known:
+                # The next block that not every live rank holds, if any.
+                drop = next((i for i in range(index, known) if owners[i] & alive != alive),
+                            known)
+                if drop == known:
+                    index = known
+                    break
+                held = owners[drop] & alive
+                gone = alive & ~held
+                while gone:
+                    low = gone & -gone
+                    depth_of[low] = drop
+                    gone ^= low
+                alive = held
+                index = drop + 1
+        # Further blocks are keyed here as the walk goes (the hot loop of a first
+        # query, so PromptBlocks.key is inlined).
+        data, step, extras = prompt._bytes, prompt._step, prompt._extras
+        parent = keys[index - 1] if index else ROOT_KEY
         while alive and index < limit:
-            if index < known:
-                key = keys[index]
-            else:
-                extra = extras[index] if extras is not None else b""
-                key = hash((parent, data[index * step : (index + 1) * step], extra))
-                keys.append(key)
-                parent = key
+            extra = extras[index] if extras is not None else b""
+            key = hash((parent, data[index * step : (index + 1) * step], extra))
+            keys.append(key)
+            parent = key
             held = get_owners(key, 0) & alive
             if held != alive:
                 gone = alive & ~held

@@ -89,8 +89,7 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-from coordinator.core.balancer import LoadTable
+from typing import Protocol
 
 __all__ = [
     "PREFERENCES",
@@ -104,6 +103,14 @@ __all__ = [
     "choose_rank",
     "pick_least_loaded_sticky",
 ]
+
+
+class CountTable(Protocol):
+    """Where the counts come from (``balancer.LoadTable``, which imports this module)."""
+
+    def rows(self) -> list[tuple[int, int, float]]:
+        """``(waiting, running, kv_cache_usage)`` of every rank, by rank."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -322,6 +329,11 @@ class TokenLoad:
             self._pending[rank] += cost
         self.queued_request_tokens += self.SMOOTHING * (cost - self.queued_request_tokens)
 
+    def forget(self, rank: int, cost: float) -> None:
+        """Take back a ``note_dispatched`` whose request never left (its send failed)."""
+        if 0 <= rank < len(self._pending):
+            self._pending[rank] = max(0.0, self._pending[rank] - cost)
+
     def on_report(self, rank: int) -> None:
         """A stats report from ``rank`` arrived: it covers everything sent before."""
         if 0 <= rank < len(self._pending):
@@ -338,13 +350,15 @@ class TokenLoad:
             + self.pending(rank)
         )
 
-    def loads(self, table: LoadTable, ranks: Sequence[int]) -> list[float]:
+    def loads(self, table: CountTable, ranks: Sequence[int]) -> list[float]:
         """``load(r)`` for each of ``ranks``, from the counts in ``table``'s rows."""
-        result = []
-        for rank in ranks:
-            row = table.load(rank)
-            result.append(self.load(rank, row.waiting, row.running))
-        return result
+        rows = table.rows()
+        pending = self._pending
+        waiting_weight = self.queued_request_tokens
+        running_weight = self._config.decode_weight
+        size = len(pending)
+        return [rows[rank][0] * waiting_weight + rows[rank][1] * running_weight
+                + (pending[rank] if rank < size else 0.0) for rank in ranks]
 
 
 class RecentDispatches:

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
+from coordinator.protocol.engine_request import MAX_MM_FEATURES, MAX_PROMPT_TOKENS, TokenId
 from coordinator.protocol.errors import ProtocolError
 from coordinator.protocol.identity import MAX_RANK
 from coordinator.protocol.version import PROTOCOL_VERSION
@@ -35,6 +36,7 @@ ClientIndex = Annotated[int, msgspec.Meta(ge=0, le=MAX_CLIENT_INDEX)]
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
 Address = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
 AdminCommand = Literal["cordon", "uncordon", "drain"]
+Text = Annotated[str, msgspec.Meta(max_length=4096)]
 
 MAX_ABORT_IDS = 4096
 
@@ -56,6 +58,33 @@ class Register(_Message, tag="register"):
     protocol_version: int = PROTOCOL_VERSION
 
 
+class MultiModalItem(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """``[identifier, offset, length]``: one multimodal item and where its placeholder sits."""
+
+    identifier: Text
+    offset: Annotated[int, msgspec.Meta(ge=0)]
+    length: Annotated[int, msgspec.Meta(ge=0)]
+
+
+class PromptKeys(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """What decides a prefix-cache hit, for prompts the coordinator cannot read itself.
+
+    A vLLM ADD payload carries all of this and needs no ``PromptKeys``. Any
+    other payload (the simulated engines', a proxy's own) can say here which
+    tokens it carries, with the keys vLLM mixes into a block's hash: the LoRA
+    adapter's name, the cache salt and the multimodal items. ``session_id``
+    names a conversation, for affinity among equally good ranks.
+    """
+
+    token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_PROMPT_TOKENS)]
+    lora_name: Text | None = None
+    cache_salt: Annotated[str, msgspec.Meta(max_length=1 << 16)] | None = None
+    mm_items: Annotated[list[MultiModalItem], msgspec.Meta(max_length=MAX_MM_FEATURES)] | None = (
+        None
+    )
+    session_id: Text | None = None
+
+
 class Submit(_Message, tag="submit"):
     """Send one request to an engine; payload frames follow the header."""
 
@@ -63,6 +92,28 @@ class Submit(_Message, tag="submit"):
     request_id: RequestId
     wave: Wave
     dp_rank: Rank | None = None
+    prompt: PromptKeys | None = None
+
+
+class _SubmitWithoutPrompt(_Message, tag="submit"):
+    # A submit without prompt keys keeps the five elements it always had on the wire.
+    call_id: int
+    request_id: str
+    wave: int
+    dp_rank: int | None
+
+
+class Route(_Message, tag="route"):
+    """Ask which rank should take a request the frontend sends itself (no payload).
+
+    ``ranks`` limits the choice to the ranks the frontend can reach (None: any
+    rank of the group).
+    """
+
+    call_id: CallId
+    request_id: RequestId
+    ranks: Annotated[list[Rank], msgspec.Meta(max_length=MAX_RANK + 1)] | None = None
+    prompt: PromptKeys | None = None
 
 
 class Abort(_Message, tag="abort"):
@@ -105,7 +156,7 @@ class Heartbeat(_Message, tag="heartbeat"):
     progress: Annotated[list[Rank], msgspec.Meta(max_length=MAX_ABORT_IDS)] = []
 
 
-FrontendRequest = Register | Submit | Abort | Finished | QueryState | Admin | Heartbeat
+FrontendRequest = Register | Submit | Route | Abort | Finished | QueryState | Admin | Heartbeat
 
 
 # ---- coordinator -> frontend -------------------------------------------------
@@ -155,6 +206,15 @@ class Submitted(_Message, tag="submitted"):
     request_id: str
     rank: int
     woke: bool
+
+
+class Routed(_Message, tag="routed"):
+    """The rank chosen for a ``route`` call, and what decided it."""
+
+    call_id: int
+    request_id: str
+    rank: int
+    reason: str
 
 
 class Aborted(_Message, tag="aborted"):
@@ -221,6 +281,7 @@ class ShuttingDown(_Message, tag="shutdown"):
 FrontendReply = (
     Registered
     | Submitted
+    | Routed
     | Aborted
     | StateReply
     | AdminDone
@@ -253,6 +314,9 @@ _reply_decoder = msgspec.msgpack.Decoder(FrontendReply)
 
 
 def encode(message: FrontendRequest | FrontendReply) -> bytes:
+    if type(message) is Submit and message.prompt is None:
+        return _encoder.encode(_SubmitWithoutPrompt(
+            message.call_id, message.request_id, message.wave, message.dp_rank))
     return _encoder.encode(message)
 
 

@@ -53,6 +53,14 @@ Endpoints (``offset_endpoint``, ``subscription_for``)
     host the rank's engine connected from, or loopback), and binds where the
     publisher connects.
 
+The engine's greeting (``decode_greeting_kv``)
+    A vLLM 0.33 engine's first message on each of its input sockets (its
+    ``EngineCoreReadyResponse``, a msgpack map) carries ``block_size`` and,
+    when it publishes events, ``kv_events_config``: the publisher's resolved
+    settings, with ``endpoint`` and ``replay_endpoint`` already offset for
+    its rank (and a ``tcp://*:0`` endpoint already turned into the node's
+    address and the port it got). Only those keys are read here.
+
 Reason tokens on ``ProtocolError``: "decode", "bad_value", "frame_count" and
 "unexpected_type" (a non-map event, a replay reply without its delimiter).
 """
@@ -77,12 +85,15 @@ __all__ = [
     "BlockRemoved",
     "BlockStored",
     "DecodedKVBatch",
+    "GreetingKV",
     "KVCacheEvent",
     "KVEventBatch",
     "KVEventMessage",
     "KVSubscription",
+    "PublisherSettings",
     "ReplayBatch",
     "ReplayEnd",
+    "decode_greeting_kv",
     "decode_kv_batch",
     "decode_kv_frames",
     "decode_replay_frames",
@@ -405,6 +416,47 @@ def decode_replay_frames(frames: Sequence[BufferLike]) -> ReplayBatch | ReplayEn
     seq = decode_seq(seq_frame)
     decoded = decode_kv_batch(payload)
     return ReplayBatch(bytes(topic), seq, decoded.batch, decoded.unknown_events)
+
+
+# --- the engine's greeting -------------------------------------------------------
+
+Endpoint = Annotated[str, Meta(max_length=1024)]
+
+
+class PublisherSettings(msgspec.Struct, gc=False):
+    """The part of vLLM's ``KVEventsConfig`` (a map in the greeting) a subscriber needs."""
+
+    enable_kv_cache_events: bool = False
+    publisher: Annotated[str, Meta(max_length=64)] | None = None
+    endpoint: Endpoint = ""
+    replay_endpoint: Endpoint | None = None
+    topic: Annotated[str, Meta(max_length=1024)] = ""
+
+    @property
+    def publishes(self) -> bool:
+        """True if the engine runs a ZeroMQ publisher at ``endpoint``."""
+        return self.enable_kv_cache_events and self.publisher == "zmq" and bool(self.endpoint)
+
+
+class GreetingKV(msgspec.Struct, gc=False):
+    """What an engine's ready greeting says about its prefix cache and its publisher."""
+
+    block_size: BlockSize | None = None
+    kv_events_config: PublisherSettings | None = None
+    data_parallel_rank: DpRank | None = None
+
+
+_greeting_decoder = msgspec.msgpack.Decoder(GreetingKV)
+
+
+def decode_greeting_kv(payload: BufferLike) -> GreetingKV | None:
+    """Read an engine's ready greeting; None for the empty greeting older engines send."""
+    if len(payload) == 0:
+        return None
+    try:
+        return _greeting_decoder.decode(payload)
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise _failure(exc, "engine greeting") from None
 
 
 # --- endpoints -----------------------------------------------------------------

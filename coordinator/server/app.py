@@ -23,16 +23,13 @@ import logging
 import os
 import random
 import shutil
-import stat
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 import zmq
 
-from coordinator.core import liveness
 from coordinator.core.actions import (
     Action,
     CloseConnection,
@@ -45,9 +42,7 @@ from coordinator.core.actions import (
     SaveState,
     Send,
     SetLinger,
-    SocketName,
 )
-from coordinator.core.authority import Channel
 from coordinator.core.coordinator import CoordinatorCore, CoreConfig
 from coordinator.core.events import (
     DUMP_RECORDER,
@@ -65,20 +60,19 @@ from coordinator.protocol.addresses import SOCKET_KEYS
 from coordinator.server.config import ServerConfig
 from coordinator.server.connections import PeerConnections
 from coordinator.server.curve import CurveServer, load_client_keys
+from coordinator.server.feeders import Feeders
 from coordinator.server.http import HttpEndpoints
 from coordinator.server.meeting_point import build_parallel_config
-from coordinator.server.observe import ObservedPusher, ObservedState
-from coordinator.server.planes import DECODERS, SOURCED_DECODERS, Decoder
-from coordinator.server.planes import frontend as frontend_plane
-from coordinator.server.planes.oversize import oversize_event
+from coordinator.server.observe import DecisionTimes, ObservedPusher, ObservedState
+from coordinator.server.planes.kv_events import KVEventsPlane, kv_action_runners
 from coordinator.server.sending import poke_if_readable, send_add, send_frames, send_routed
+from coordinator.server.sockets import bind_admin, binds_tcp, socket_specs
 from coordinator.server.statefile import load_state, save_state
-from coordinator.server.stats_reader import BACK_OUTPUT_RCVHWM, StatsReader
+from coordinator.server.stats_reader import StatsReader
 from coordinator.server.timers import CoreTimer
 from coordinator.server.transport import (
     FrameHandler,
     FrameReader,
-    OversizeHandler,
     RateLimitedLog,
     bind_socket,
     make_endpoint,
@@ -105,6 +99,7 @@ def core_config(cfg: ServerConfig, admin_keys: frozenset[str] = frozenset()) -> 
         recorder_size=cfg.recorder_size, persist=cfg.state_file is not None,
         admin_keys=admin_keys, min_engines=cfg.min_engines, max_engines=cfg.max_engines,
         frontend_lease_ttl_s=cfg.frontend_lease_ttl_s,
+        kv=cfg.kv_settings(), prefix_slack_tokens=cfg.prefix_slack_tokens,
     )
 
 
@@ -135,8 +130,10 @@ class CoordinatorServer:
         # Connection facts of the sockets whose peers claim ranks (server.connections).
         self._connections: dict[str, PeerConnections] = {}
         self._conn_ids = itertools.count(1)
+        self.kv_plane: KVEventsPlane | None = None
         self._ratelog = RateLimitedLog(log, interval_s=config.log_interval_s, clock=clock)
-        self._observer = ObservedPusher(self.core, self._update_http, clock)
+        self.decision_times = DecisionTimes()
+        self._observer = ObservedPusher(self.core, self._update_http, clock, self.decision_times)
         self._timer = CoreTimer(self.core, self.execute, clock=clock,
                                 on_error=self._handler_failed, pokes=self._reader_pokes)
         self._serving = False
@@ -153,17 +150,12 @@ class CoordinatorServer:
             RefreshObserved: self._run_refresh,
             RearmTimer: self._run_rearm,
             CloseConnection: self._run_close_connection,
+            **kv_action_runners(lambda: self.kv_plane, self.counters, self._ratelog),
         }
         # One handler per socket: frames in, actions carried out.
-        self.frame_handlers: dict[str, FrameHandler] = {
-            key: self._feeder(decode) for key, decode in DECODERS.items()
-        }
-        self.frame_handlers["back_output"] = self._stats_feeder()
-        for key in MONITORED:
-            self.frame_handlers[key] = self._sourced_feeder(key)
-        self.frame_handlers["frontend"] = self._frontend_feeder("frontend")
-        self.frame_handlers["admin"] = self._frontend_feeder("admin")
-        self._frontend_user_id: str | None = None
+        self.feeders = Feeders(self.core, clock, self.execute, self.decision_times,
+                               self._connections)
+        self.frame_handlers: dict[str, FrameHandler] = self.feeders.handlers()
         self._admin_dir: str | None = None
 
     # ---- setup and teardown -------------------------------------------------
@@ -180,12 +172,19 @@ class CoordinatorServer:
                 self._owns_ipc_dir = True
         ipc_dir = self._ipc_dir or ""
         self._ctx = zmq.Context()
+        if self.core.kv is not None:
+            kv = self.core.kv
+            self.kv_plane = KVEventsPlane(
+                self._ctx, self._feed, backlog_full=lambda: kv.backlog_full,
+                pending=lambda: kv.pending_blocks > 0,
+                max_message_bytes=cfg.max_message_bytes("kv_events"),
+                on_error=self._handler_failed)
         if cfg.curve_secret_key is not None and cfg.curve_clients_dir is not None:
             self.curve = CurveServer(self._ctx, cfg.curve_secret_key, cfg.curve_clients_dir,
                                      admin_dir=cfg.admin_keys_dir)
             self.curve.start()
         try:
-            for index, (key, kind, options) in enumerate(self._socket_specs()):
+            for index, (key, kind, options) in enumerate(socket_specs(cfg)):
                 port = cfg.port_base + index if cfg.port_base is not None else 0
                 endpoint = cfg.bind_overrides.get(key) or make_endpoint(
                     key, host=cfg.host, ipc_dir=ipc_dir, port=port
@@ -196,7 +195,9 @@ class CoordinatorServer:
                 )
                 self._sockets[key] = sock
                 self.addresses[key] = resolved
-            self._bind_admin()
+            admin, self.addresses["admin"], self._admin_dir = bind_admin(
+                self._ctx, self._ipc_dir, cfg.max_message_bytes("admin"))
+            self._sockets["admin"] = admin
         except (zmq.ZMQError, OSError):
             self.close()
             raise
@@ -229,66 +230,6 @@ class CoordinatorServer:
 
         return configure
 
-    def _bind_admin(self) -> None:
-        """The operators' socket: ipc in a private directory (``admin.d`` in the ipc
-        directory, or a new temporary one), the file owner-only.
-
-        Connecting to a unix socket needs write permission on its file, so only this
-        process's user (and root) can reach it; that is the authority of what comes
-        in on it (see core.authority).
-        """
-        assert self._ctx is not None
-        if self._ipc_dir is not None:
-            self._admin_dir = os.path.join(self._ipc_dir, "admin.d")
-            os.makedirs(self._admin_dir, mode=stat.S_IRWXU, exist_ok=True)
-            os.chmod(self._admin_dir, stat.S_IRWXU)
-        else:
-            self._admin_dir = tempfile.mkdtemp(prefix="dp-coordinator-admin-")
-        path = os.path.join(self._admin_dir, "admin")
-        sock, resolved = bind_socket(
-            self._ctx, zmq.ROUTER, f"ipc://{path}",
-            max_message_bytes=self.config.max_message_bytes("admin"),
-            options=[(zmq.ROUTER_MANDATORY, 1), (zmq.ROUTER_HANDOVER, 1)],
-        )
-        os.chmod(path, stat.S_IRUSR | stat.S_IWUSR)
-        self._sockets["admin"] = sock
-        self.addresses["admin"] = resolved
-
-    def _socket_specs(self) -> list[tuple[str, int, list[tuple[int, int]]]]:
-        """The six sockets in bind order (``--port-base`` counts in this order)."""
-        # ZMTP heartbeats: a peer that stops answering (a host cut off, a frozen process)
-        # is disconnected, so an open connection proves its engine was heard within
-        # liveness.heard_within_s (core.liveness says why the numbers are what they are).
-        ttl = self.config.lease_ttl_s
-        pings = [(zmq.HEARTBEAT_IVL, int(liveness.heartbeat_ivl_s(ttl) * 1000))]
-        timeout_ms = int(liveness.heartbeat_timeout_s(ttl) * 1000)
-        heartbeats = [*pings, (zmq.HEARTBEAT_TIMEOUT, timeout_ms)]
-        # A dispatch connection over tcp is not dropped for silence (only after
-        # liveness.TCP_SILENCE_LIMIT_S, a backstop): a drop cannot reach a host cut off by
-        # a partition, whose engine would then never reconnect; what arrived on it is
-        # read from the kernel instead. (Without a timeout libzmq would use the interval.)
-        limit_ms = int(liveness.TCP_SILENCE_LIMIT_S * 1000)
-        tcp_pings = [*pings, (zmq.HEARTBEAT_TIMEOUT, limit_ms)]
-        dispatch = tcp_pings if self._tcp("dispatch") else heartbeats
-        return [
-            # No ROUTER_HANDOVER on either: a rank's identity belongs to the first live
-            # connection that carries it, and libzmq turns a second one away, silently,
-            # until the first is gone (core.claims; docs/OPERATIONS.md). With handover, any
-            # connection carrying a live rank's identity would take its requests.
-            ("handshake", zmq.ROUTER, [(zmq.ROUTER_MANDATORY, 1), *heartbeats]),
-            ("dispatch", zmq.ROUTER, [(zmq.ROUTER_MANDATORY, 1), (zmq.SNDHWM, 0),
-                                      *dispatch]),
-            # Bounded, unlike vLLM's: see BACK_OUTPUT_RCVHWM.
-            ("back_output", zmq.PULL, [(zmq.RCVHWM, BACK_OUTPUT_RCVHWM)]),
-            ("back_publish", zmq.XPUB, [(zmq.XPUB_VERBOSE, 1)]),
-            ("front_publish", zmq.XPUB, [(zmq.XPUB_VERBOSE, 1)]),
-            ("frontend", zmq.ROUTER, [(zmq.ROUTER_MANDATORY, 1), (zmq.ROUTER_HANDOVER, 1)]),
-        ]
-
-    def _tcp(self, key: str) -> bool:
-        override = self.config.bind_overrides.get(key)
-        return override.startswith("tcp://") if override else self.config.host is not None
-
     def close(self) -> None:
         if self.config.state_file is not None and self._serving:
             # Only a process that served may speak for the group.
@@ -299,6 +240,8 @@ class CoordinatorServer:
         for connections in self._connections.values():
             connections.close()
         self._connections.clear()
+        if self.kv_plane is not None:
+            self.kv_plane.close()
         for sock in self._sockets.values():
             sock.close()
         self._sockets.clear()
@@ -336,6 +279,7 @@ class CoordinatorServer:
         if self.http is not None:
             self._observer.push(force=True)
         self._readers = {}
+        feeders = self.feeders
         for key, handler in self.frame_handlers.items():
             if key == "back_output":
                 continue
@@ -344,12 +288,14 @@ class CoordinatorServer:
                 self._sockets[key], handler, name=key, on_error=self._handler_failed,
                 source=connections.source if connections else None,
                 max_message_bytes=self.config.max_message_bytes(key),
-                on_oversize=self._oversize_feeder(key),
-                on_peer=self._on_frontend_peer if (
-                    key == "frontend" and self.curve is not None) else None)
+                on_oversize=feeders.oversize(key, self.config.max_message_bytes(key)),
+                on_peer=feeders.on_frontend_peer if (
+                    key == "frontend" and self.curve is not None) else None,
+                on_address=feeders.on_dispatch_peer if (
+                    key == "dispatch" and binds_tcp(self.config, "dispatch")) else None)
         for key, connections in self._connections.items():
             self._readers[f"{key}.monitor"] = FrameReader(
-                connections.monitor, self._monitor_feeder(connections),
+                connections.monitor, connections.on_monitor_message,
                 name=f"{key}.monitor", on_error=self._handler_failed)
         self._readers["back_output"] = StatsReader(
             self._sockets["back_output"], self.core, self.execute, clock=self.clock,
@@ -357,6 +303,8 @@ class CoordinatorServer:
             max_message_bytes=self.config.max_message_bytes("back_output"))
         tasks = [asyncio.ensure_future(reader.run()) for reader in self._readers.values()]
         tasks.append(asyncio.ensure_future(self._timer.run()))
+        if self.kv_plane is not None:
+            tasks.append(asyncio.ensure_future(self.kv_plane.run()))
         stopper = asyncio.ensure_future(stop.wait())
         try:
             done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
@@ -378,80 +326,8 @@ class CoordinatorServer:
         """Log the whole flight recorder (SIGUSR1)."""
         self._feed(DUMP_RECORDER)
 
-    def _feeder(self, decode: Decoder) -> FrameHandler:
-        handle, clock, execute = self.core.handle, self.clock, self.execute
-
-        def on_frames(frames: list[bytes]) -> None:
-            actions = handle(decode(frames), clock())
-            if actions:
-                execute(actions)
-
-        return on_frames
-
-    def _oversize_feeder(self, key: str) -> OversizeHandler:
-        """A message past ``key``'s size bound: the core counts it and answers if it can."""
-        limit = self.config.max_message_bytes(key)
-        socket = cast(SocketName, key)
-
-        def on_oversize(kept: list[bytes], total: int, frame_count: int) -> None:
-            self._feed(oversize_event(socket, kept, total, frame_count, limit))
-
-        return on_oversize
-
-    def _on_frontend_peer(self, user_id: str | None) -> None:
-        self._frontend_user_id = user_id
-
-    def _frontend_feeder(self, channel: Channel) -> FrameHandler:
-        """``frontend`` and ``admin``: the request with its channel and the peer's CURVE key
-        (``User-Id``, read by the socket's reader just before)."""
-        handle, clock, execute = self.core.handle, self.clock, self.execute
-
-        def on_frames(frames: list[bytes]) -> None:
-            user_id = self._frontend_user_id if channel == "frontend" else None
-            actions = handle(frontend_plane.decode(frames, channel, user_id), clock())
-            if actions:
-                execute(actions)
-
-        return on_frames
-
-    def _stats_feeder(self) -> FrameHandler:
-        """``back_output``: the hot path, straight to the core's stats handler."""
-        decode = DECODERS["back_output"]
-        handle, on_report = self.core.handle, self.core.on_engine_report
-        clock, execute, report_type = self.clock, self.execute, vllm.EngineReport
-
-        def on_frames(frames: list[bytes]) -> None:
-            event = decode(frames)
-            if type(event) is report_type:
-                actions = on_report(event, clock())
-            else:
-                actions = handle(event, clock())
-            if actions:
-                execute(actions)
-
-        return on_frames
-
-    def _sourced_feeder(self, key: str) -> FrameHandler:
-        """``handshake`` and ``dispatch``: each event names the connection it came on."""
-        decode, handle = SOURCED_DECODERS[key], self.core.handle
-        clock, execute = self.clock, self.execute
-
-        def on_frames(frames: list[bytes]) -> None:
-            connections = self._connections.get(key)
-            actions = handle(decode(frames, connections.current if connections else 0),
-                             clock())
-            if actions:
-                execute(actions)
-            if connections is not None:
-                connections.message_done()
-
-        return on_frames
-
-    def _monitor_feeder(self, connections: PeerConnections) -> FrameHandler:
-        return connections.on_monitor_message
-
     def _feed(self, event: Event) -> None:
-        self.execute(self.core.handle(event, self.clock()))
+        self.feeders.feed(event)
 
     def _handler_failed(self, socket_name: str, exc: BaseException) -> None:
         self.counters[f"internal_error.{socket_name}"] += 1

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from coordinator.core.kv_plane import KVSettings
+from coordinator.core.router import PREFIX_POLICY
 from coordinator.protocol.addresses import SOCKET_KEYS, check_bind_safety
 from coordinator.protocol.identity import MAX_RANK
+from coordinator.protocol.kv_events import subscription_for
 from coordinator.server.transport import (
     CONTROL_MAX_MESSAGE_BYTES,
     DEFAULT_MAX_ENGINE_MESSAGE_BYTES,
     DEFAULT_MAX_REQUEST_BYTES,
+    KV_EVENTS_MAX_MESSAGE_BYTES,
 )
 
 
@@ -83,6 +87,23 @@ class ServerConfig:
     """Most ranks SCALE_ELASTIC_EP may ask for (0: --engines, a fixed size)."""
     insecure: bool = False
     """Allow a non-loopback TCP bind without CURVE keys."""
+    kv_events_endpoint: str | None = None
+    """vLLM's kv_events_config endpoint: follow every rank's KV event publisher there."""
+    kv_events_replay_endpoint: str | None = None
+    """vLLM's kv_events_config replay_endpoint."""
+    kv_block_size: int | None = None
+    """Tokens per KV cache block (default: what the engines say)."""
+    prefix_slack_tokens: float = 256.0
+    """The prefix policy's load/cache trade-off, in tokens of extra load."""
+
+    def kv_settings(self) -> KVSettings | None:
+        """What to follow of the engines' KV events: all of it for the prefix policy, the
+        configured publishers otherwise, nothing without either."""
+        if self.policy != PREFIX_POLICY and self.kv_events_endpoint is None:
+            return None
+        return KVSettings(endpoint=self.kv_events_endpoint,
+                          replay_endpoint=self.kv_events_replay_endpoint,
+                          block_size=self.kv_block_size)
 
     def max_message_bytes(self, key: str) -> int:
         """The bound on one message (all frames) read on socket ``key``."""
@@ -90,6 +111,8 @@ class ServerConfig:
             return self.max_request_bytes
         if key in ("back_publish", "front_publish", "admin"):
             return CONTROL_MAX_MESSAGE_BYTES
+        if key == "kv_events":
+            return KV_EVENTS_MAX_MESSAGE_BYTES
         return self.max_engine_message_bytes
 
     def validate(self) -> None:
@@ -155,6 +178,28 @@ class ServerConfig:
             raise ValueError(f"--recorder-size must be >= 1, got {self.recorder_size}")
         if self.watchdog_stall_s < 0:
             raise ValueError(f"--watchdog-stall-s must be >= 0, got {self.watchdog_stall_s}")
+        self._validate_kv()
         check_bind_safety(
             self.host, has_keys=self.curve_secret_key is not None, insecure=self.insecure
         )
+
+    def _validate_kv(self) -> None:
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+        if self.kv_block_size is not None and not 1 <= self.kv_block_size <= 1 << 20:
+            raise ValueError(f"--kv-block-size must be between 1 and {1 << 20}, "
+                             f"got {self.kv_block_size}")
+        if not (self.prefix_slack_tokens >= 0 and self.prefix_slack_tokens != float("inf")):
+            raise ValueError("--prefix-slack-tokens must be a finite number >= 0, got "
+                             f"{self.prefix_slack_tokens}")
+        for flag, endpoint in (("--kv-events-endpoint", self.kv_events_endpoint),
+                               ("--kv-events-replay-endpoint", self.kv_events_replay_endpoint)):
+            if endpoint is None:
+                continue
+            try:
+                # Every rank's publisher offsets the same endpoint: the first and the
+                # last rank show whether all of them can be reached.
+                for rank in (self.rank_start, self.rank_start + self.engines - 1):
+                    subscription_for(endpoint, rank, replay=flag != "--kv-events-endpoint")
+            except ValueError as exc:
+                raise ValueError(f"{flag} {endpoint}: {exc}") from None

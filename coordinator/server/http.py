@@ -238,6 +238,8 @@ class HttpEndpoints:
             "counters": dict(snap.counters),
             "watchdog": list(snap.watchdog),
             "snapshot_age_s": round(self._age(snap), 3),
+            "policy": snap.policy,
+            "prefix": _prefix_json(snap),
         }
         body.update(ours)
         return "200 OK", body
@@ -281,6 +283,30 @@ def _rank_json(view: RankView) -> dict[str, object]:
         "dispatched": view.dispatched,
         "report_age_s": view.report_age_s,
         "in_flight": view.in_flight,
+    }
+
+
+def _prefix_json(snap: ObservedState) -> dict[str, object] | None:
+    view = snap.prefix
+    if view is None:
+        return None
+    counters = snap.counters
+    prompt = counters.get("route.prompt_tokens", 0)
+    cached = counters.get("route.cached_tokens", 0)
+    return {
+        "block_size": view.block_size,
+        "total_blocks": view.total_blocks,
+        "distinct_blocks": view.distinct_blocks,
+        "memory_bytes": view.memory_bytes,
+        "pending_blocks": view.pending_blocks,
+        "hit_ratio": round(cached / prompt, 4) if prompt else None,
+        "ranks": [{"rank": rank, "blocks": view.blocks.get(rank, 0),
+                   "stream": view.streams.get(rank, "off"),
+                   "batches": view.batches.get(rank, 0),
+                   "publisher": view.subscriptions.get(rank)}
+                  for rank in (v.rank for v in snap.ranks)],
+        "decisions": {key[len("route.decisions."):]: value for key, value in counters.items()
+                      if key.startswith("route.decisions.")},
     }
 
 

@@ -22,6 +22,7 @@ from prometheus_client.metrics_core import (
 
 from coordinator.core.balancer import balance_ratio
 from coordinator.server.observe import ObservedState
+from coordinator.server.prefix_metrics import prefix_metrics
 
 PREFIX: Final = "dp_coordinator"
 
@@ -87,6 +88,7 @@ class SnapshotCollector:
             return
         yield from _rank_metrics(published.snapshot)
         yield from _group_metrics(published, self._clock())
+        yield from prefix_metrics(published.snapshot)
         yield from _counter_metrics(published.snapshot.counters)
 
 

@@ -11,6 +11,7 @@ the end of that interval, and no change waits for the next tick.
 from __future__ import annotations
 
 import asyncio
+import bisect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -35,6 +36,51 @@ class RankView:
     report_age_s: float | None = None
     """Seconds since this rank's last stats report (None: never reported)."""
     in_flight: int = 0
+
+
+# From 10 µs to 10 ms: a decision over 32 ranks and a few thousand prompt tokens
+# takes tens to hundreds of microseconds.
+DECISION_BUCKETS = (1e-5, 2e-5, 5e-5, 1e-4, 1.5e-4, 2e-4, 3e-4, 5e-4, 1e-3, 2.5e-3, 1e-2)
+
+
+class DecisionTimes:
+    """How long the core took over each submit or route call (the rank's choice and
+    the dispatch built on it), measured by the server around the core's call.
+
+    The time is the event loop thread's CPU time: what the decision costs, apart
+    from the time the host had the process wait for a CPU (on a busy host that
+    dominates any wall-clock measure of a few hundred microseconds)."""
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(DECISION_BUCKETS) + 1)
+        self.total_s = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(DECISION_BUCKETS, seconds)] += 1
+        self.total_s += seconds
+
+    def snapshot(self) -> tuple[tuple[int, ...], float]:
+        """Counts per bucket (not cumulative; the last is +Inf) and their sum."""
+        return tuple(self.counts), self.total_s
+
+
+@dataclass(frozen=True)
+class PrefixView:
+    """The KV event plane and the prefix index when the snapshot was taken."""
+
+    block_size: int | None
+    blocks: dict[int, int]
+    """Blocks the index holds, by rank."""
+    streams: dict[int, str]
+    """Each followed rank's stream state: sync, live or replaying."""
+    batches: dict[int, int]
+    """KV event batches received, by rank."""
+    subscriptions: dict[int, str]
+    """Where each followed rank's publisher is reached."""
+    total_blocks: int = 0
+    distinct_blocks: int = 0
+    memory_bytes: int = 0
+    pending_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -64,10 +110,39 @@ class ObservedState:
     all_ready: bool = False
     state_json: dict[str, object] = field(default_factory=dict)
     """Extra JSON for /state (membership, leases, frontends...), merged under ours."""
+    policy: str = "least-loaded"
+    prefix: PrefixView | None = None
+    """The KV event plane (None when the coordinator follows no KV events)."""
+    decision_times: tuple[tuple[int, ...], float] = ((), 0.0)
+    """``DecisionTimes.snapshot()``: submits and route calls, by time taken."""
+
+
+def prefix_view(core: CoordinatorCore) -> PrefixView | None:
+    """What the KV event plane and the index hold now."""
+    kv = core.kv
+    if kv is None:
+        return None
+    index = kv.index
+    streams = {}
+    for rank in kv.streams.ranks():
+        view = kv.streams.view(rank)
+        if view is not None:
+            streams[rank] = view.state
+    return PrefixView(
+        block_size=index.block_size if index is not None else None,
+        blocks=index.blocks_per_rank() if index is not None else {},
+        streams=streams,
+        batches=dict(kv.counters.batches_by_rank),
+        subscriptions={rank: sub.live.address for rank, sub in kv.subscriptions.items()},
+        total_blocks=index.total_blocks if index is not None else 0,
+        distinct_blocks=index.distinct_blocks if index is not None else 0,
+        memory_bytes=index.memory_estimate_bytes() if index is not None else 0,
+        pending_blocks=kv.pending_blocks,
+    )
 
 
 def observed_state(core: CoordinatorCore, now: float, recorder_tail: list[dict[str, object]],
-                   ) -> ObservedState:
+                   decisions: DecisionTimes | None = None) -> ObservedState:
     """Everything the HTTP endpoints show, from the core's queries."""
     wave, running = core.waves.snapshot()
     ranks = []
@@ -90,6 +165,8 @@ def observed_state(core: CoordinatorCore, now: float, recorder_tail: list[dict[s
         watchdog=[alert.as_dict(now) for alert in core.watchdog.active],
         recorder_tail=recorder_tail, all_ready=core.membership.all_ready(now=now),
         state_json=group_state_to_builtins(core.group_state(now)),
+        policy=core.config.policy, prefix=prefix_view(core),
+        decision_times=decisions.snapshot() if decisions is not None else ((), 0.0),
     )
 
 
@@ -97,8 +174,9 @@ class ObservedPusher:
     """Builds snapshots of ``core`` and hands them to ``update`` (the HTTP endpoints)."""
 
     def __init__(self, core: CoordinatorCore, update: Callable[[ObservedState], None],
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], decisions: DecisionTimes | None = None) -> None:
         self._core = core
+        self._decisions = decisions
         self._update = update
         self._clock = clock
         self._last = float("-inf")
@@ -119,7 +197,8 @@ class ObservedPusher:
         recorder = self._core.recorder
         if self._recorder_json[0] != recorder.recorded:
             self._recorder_json = (recorder.recorded, recorder.as_json())
-        self._update(observed_state(self._core, now, list(self._recorder_json[1])))
+        self._update(observed_state(self._core, now, list(self._recorder_json[1]),
+                                    self._decisions))
 
     def _deferred(self) -> None:
         self._scheduled = False

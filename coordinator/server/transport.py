@@ -34,6 +34,8 @@ DEFAULT_MAX_ENGINE_MESSAGE_BYTES = 1 * MIB
 CONTROL_MAX_MESSAGE_BYTES = 64 * 1024
 """Upstream of ``back_publish`` and ``front_publish`` (subscriptions, SCALE_ELASTIC_EP),
 and the operators' ``admin`` socket."""
+KV_EVENTS_MAX_MESSAGE_BYTES = 16 * MIB
+"""A batch from an engine's KV event publisher, live or replayed."""
 
 FrameHandler = Callable[[list[bytes]], None]
 OversizeHandler = Callable[[list[bytes], int, int], None]
@@ -119,6 +121,9 @@ class FrameReader:
     not delivered: the frames read before it passed are handed to ``on_oversize``
     (a ROUTER's identity and a header, to answer with), the rest are taken off the
     socket and released uncopied, and nothing of it stays referenced afterwards.
+
+    ``on_address``, when given, hears each message's ``Peer-Address`` (for tcp, the
+    peer's IP; None where ZeroMQ has none) just before the message is handled.
     """
 
     def __init__(
@@ -133,6 +138,7 @@ class FrameReader:
         max_message_bytes: int | None = None,
         on_oversize: OversizeHandler | None = None,
         on_peer: Callable[[str | None], None] | None = None,
+        on_address: Callable[[str | None], None] | None = None,
     ) -> None:
         self._sock = sock
         self._handler = handler
@@ -143,6 +149,7 @@ class FrameReader:
         self._max_message_bytes = max_message_bytes
         self._on_oversize = on_oversize
         self._on_peer = on_peer
+        self._on_address = on_address
         self._last_fd = -1
         self._readable = asyncio.Event()
         self._fd = int(sock.getsockopt(zmq.FD))
@@ -192,6 +199,8 @@ class FrameReader:
             count += 1
             if self._on_peer is not None:
                 self._on_peer(peer_user_id(frame))
+            if self._on_address is not None:
+                self._on_address(_peer_address(frame))
             if frame.more or (limit is not None and len(frame) > limit):
                 frames = self._read_multipart(frame, limit)
                 if frames is None:
@@ -249,6 +258,14 @@ def peer_user_id(frame: zmq.Frame) -> str | None:
     except zmq.ZMQError:
         return None
     return value if isinstance(value, str) and value else None
+
+
+def _peer_address(frame: zmq.Frame) -> str | None:
+    try:
+        address = frame.get("Peer-Address")
+    except zmq.ZMQError:
+        return None
+    return address if isinstance(address, str) and address else None
 
 
 @dataclass

@@ -28,14 +28,15 @@ def run_prefix(*args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.timeout(180)
 def test_smoke_run_compares_policies_on_the_same_traffic(tmp_path: Path) -> None:
-    result = run_prefix("--smoke", "--policy", "p2c", "--out", str(tmp_path))
+    result = run_prefix("--smoke", "--policy", "prefix", "--out", str(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads((tmp_path / "prefix.json").read_text())
     assert data["benchmark"] == "prefix" and data["mode"] == "smoke"
-    assert data["policies"] == ["least-loaded", "p2c"]
+    assert data["policies"] == ["least-loaded", "prefix"]
     runs = data["runs"]
     assert {(r["mode"], r["policy"]) for r in runs} == {
-        (mode, policy) for mode in ("lockstep", "dense") for policy in ("least-loaded", "p2c")}
+        (mode, policy) for mode in ("lockstep", "dense")
+        for policy in ("least-loaded", "prefix")}
     for run in runs:
         assert "error" not in run, run
         assert run["healthy"] and run["lost"] == 0 and run["completed"] == run["requests"] > 0
@@ -43,11 +44,11 @@ def test_smoke_run_compares_policies_on_the_same_traffic(tmp_path: Path) -> None
         assert run["hit_tokens"] == run["engine_hit_tokens"]
         assert run["prefill_tokens"] == run["prompt_tokens"] - run["hit_tokens"]
         assert run["ttft_ms_p50"] is not None and run["balance_ratio"] is not None
-        assert run["decision_p99_us"] is None  # not exported by the coordinator yet
+        assert run["decision_p99_us"] is not None and run["decision_p99_us"] > 0
     # One seed: every policy was offered exactly the same prompts.
     assert len({(r["prompt_tokens"], r["ideal_reusable_tokens"]) for r in runs}) == 1
     assert [(c["mode"], c["policy"]) for c in data["comparisons"]] == [
-        ("lockstep", "p2c"), ("dense", "p2c")]
+        ("lockstep", "prefix"), ("dense", "prefix")]
     table = (tmp_path / "PREFIX.md").read_text()
     assert table.count("| 2 | lockstep |") == 2 and table.count("| 2 | dense |") == 2
 

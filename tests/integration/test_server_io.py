@@ -133,7 +133,7 @@ def close_engine(rig: Rig, rank: int) -> None:
 
 def test_a_submit_whose_rank_is_gone_goes_to_the_next_one_on_real_sockets(rig: Rig) -> None:
     close_engine(rig, 0)
-    for request in range(3):  # least-loaded rotates: rank 0 is tried at least once
+    for request in range(3):  # the first tie goes to rank 0, which is tried and found gone
         rig.frontend.send_multipart([fp.encode(fp.Submit(10 + request, f"r{request}", 0)),
                                      b"payload"])
         rig.pump("frontend")

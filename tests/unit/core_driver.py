@@ -20,6 +20,9 @@ from coordinator.core.actions import (
     Action,
     CloseConnection,
     DispatchAdd,
+    KVRequestReplay,
+    KVSubscribe,
+    KVUnsubscribe,
     Log,
     Publish,
     RearmTimer,
@@ -87,6 +90,7 @@ class Driver:
     rearms: int = 0
     refreshes: int = 0
     failed_sends: list[SendFailed] = field(default_factory=list)
+    kv_actions: list[KVSubscribe | KVUnsubscribe | KVRequestReplay] = field(default_factory=list)
     _follow_ups: list[Action] = field(default_factory=list)
     _calls: int = 0
 
@@ -155,6 +159,8 @@ class Driver:
             self.rearms += 1
         elif isinstance(action, CloseConnection):
             self.cut.append((action.socket, action.conn))
+        elif isinstance(action, (KVSubscribe, KVUnsubscribe, KVRequestReplay)):
+            self.kv_actions.append(action)
         else:  # pragma: no cover - a new action type must be handled here
             raise AssertionError(f"unknown action {action!r}")
 

@@ -23,7 +23,6 @@ from coordinator.core.balancer import (
     is_stale_report,
     load_score,
     make_policy,
-    pick_least_loaded,
 )
 
 
@@ -271,34 +270,50 @@ def test_load_score(load: RankLoad, score: float) -> None:
 # --- picking ------------------------------------------------------------------------
 
 
-def test_pick_least_loaded_takes_the_lowest_score() -> None:
+def pick(table: LoadTable, candidates: list[int] | range) -> int | None:
+    """A fresh least-loaded policy's pick: the lowest score, ties to the lowest rank id."""
+    return LeastLoaded().pick(table, candidates)
+
+
+def test_least_loaded_takes_the_lowest_score() -> None:
     table = table_with((0, 5, 0.0), (0, 2, 0.0), (3, 0, 0.9), (0, 3, 0.0))
-    assert pick_least_loaded(table, [0, 1, 2, 3], 0) == 1
-    assert pick_least_loaded(table, [0, 2, 3], 0) == 3
-    assert pick_least_loaded(table, [], 0) is None
-
-
-def test_pick_least_loaded_breaks_ties_by_scan_start() -> None:
-    table = table_with((1, 0, 0.0), (0, 1, 0.0), (0, 9, 0.0), (0, 1, 0.0))
-    candidates = [0, 1, 2, 3]
-    assert pick_least_loaded(table, candidates, 0) == 0
-    assert pick_least_loaded(table, candidates, 1) == 1
-    assert pick_least_loaded(table, candidates, 2) == 3
-    assert pick_least_loaded(table, candidates, 3) == 3
-    assert pick_least_loaded(table, candidates, 5) == 1  # start wraps around
-    assert pick_least_loaded(table, candidates, -1) == 3
+    assert [table.score(rank) for rank in range(4)] == [
+        load_score(table.load(rank)) for rank in range(4)]
+    assert pick(table, [0, 1, 2, 3]) == 1
+    assert pick(table, [0, 2, 3]) == 3
+    assert pick(table, [3, 2, 0]) == 3
+    assert pick(table, []) is None
 
 
 def test_candidates_without_a_row_are_skipped() -> None:
     table = table_with((0, 4, 0.0), (0, 1, 0.0))
-    assert pick_least_loaded(table, [7, 0, -1], 0) == 0
-    assert pick_least_loaded(table, [7, 8], 0) is None
+    assert pick(table, [7, 0, -1]) == 0
+    assert pick(table, [7, 8]) is None
     assert LeastLoaded().pick(table, [9]) is None
     assert PowerOfTwoChoices(random.Random(0)).pick(table, [9]) is None
 
 
+def test_ties_go_to_the_rank_that_got_the_fewest_recent_picks_then_the_lowest_id() -> None:
+    table = LoadTable(4)
+    policy = LeastLoaded()
+    # An idle group that never reports: every score stays 0, so only the tie rule decides.
+    assert [policy.pick(table, [3, 1, 2]) for _ in range(6)] == [1, 2, 3, 1, 2, 3]
+    assert policy.recent.counts([1, 2, 3]) == [2, 2, 2]
+    # Rank 0 got nothing recently, so it wins the next tie wherever it stands.
+    assert policy.pick(table, [3, 2, 1, 0]) == 0
+
+
+def test_ties_prefer_the_sessions_last_rank_over_spreading() -> None:
+    table = LoadTable(3)
+    policy = LeastLoaded()
+    assert [policy.pick(table, [0, 1, 2], session_rank=2) for _ in range(4)] == [2, 2, 2, 2]
+    # A session rank that is not among the lowest scores does not win.
+    table.note_dispatched(2)
+    assert policy.pick(table, [0, 1, 2], session_rank=2) == 0
+
+
 @pytest.mark.parametrize("engines", [1, 2, 3, 8])
-def test_rotation_shares_ties_evenly(engines: int) -> None:
+def test_the_tie_rule_shares_an_idle_group_evenly(engines: int) -> None:
     table = LoadTable(engines)
     policy = LeastLoaded()
     rounds = 7
@@ -306,41 +321,37 @@ def test_rotation_shares_ties_evenly(engines: int) -> None:
     assert picks == {rank: rounds for rank in range(engines)}
 
 
-def test_rotation_over_a_subset_of_ranks() -> None:
-    table = LoadTable(6)
-    policy = LeastLoaded()
-    picks = [policy.pick(table, [1, 3, 4]) for _ in range(6)]
-    assert picks == [1, 3, 4, 1, 3, 4]
-
-
-def test_least_loaded_with_no_candidates_keeps_its_rotation() -> None:
-    table = LoadTable(2)
-    policy = LeastLoaded(start=1)
-    assert policy.pick(table, []) is None
-    assert policy.pick(table, [0, 1]) == 1
+def test_the_pick_does_not_depend_on_the_candidates_order() -> None:
+    orders = [[0, 1, 2, 3], [3, 2, 1, 0], [2, 0, 3, 1]]
+    picks = []
+    for order in orders:
+        table = LoadTable(4)
+        policy = LeastLoaded()
+        picks.append([policy.pick(table, order) for _ in range(8)])
+    assert picks[0] == picks[1] == picks[2] == [0, 1, 2, 3, 0, 1, 2, 3]
 
 
 def test_dispatches_since_report_steer_consecutive_picks() -> None:
     table = table_with((0, 0, 0.0), (0, 2, 0.0), (0, 0, 0.0))
+    policy = LeastLoaded()
     picks = []
     for _ in range(6):
-        # A fixed scan start isolates the effect of the dispatch counts.
-        chosen = pick_least_loaded(table, [0, 1, 2], 0)
+        chosen = policy.pick(table, [0, 1, 2])
         assert chosen is not None
         table.note_dispatched(chosen)
         picks.append(chosen)
-    assert picks == [0, 2, 0, 2, 0, 1]
-    # Without counting dispatches, every pick would go to rank 0.
+    assert picks == [0, 2, 0, 2, 1, 0]
+    # Without counting dispatches, a fresh policy would send every one to rank 0.
     untouched = table_with((0, 0, 0.0), (0, 2, 0.0), (0, 0, 0.0))
-    assert {pick_least_loaded(untouched, [0, 1, 2], 0) for _ in range(6)} == {0}
+    assert {pick(untouched, [0, 1, 2]) for _ in range(6)} == {0}
 
 
 def test_a_report_replaces_the_dispatch_estimate() -> None:
     table = table_with((0, 0, 0.0), (0, 1, 0.0))
     table.note_dispatched(0, 5)
-    assert pick_least_loaded(table, [0, 1], 0) == 1
+    assert pick(table, [0, 1]) == 1
     report(table, 0, step=2, running=0, lockstep=False)  # engine 0 finished them all
-    assert pick_least_loaded(table, [0, 1], 0) == 0
+    assert pick(table, [0, 1]) == 0
 
 
 def test_p2c_with_two_candidates_always_takes_the_lower() -> None:
@@ -351,10 +362,11 @@ def test_p2c_with_two_candidates_always_takes_the_lower() -> None:
     assert policy.pick(table, [0]) == 0
 
 
-def test_p2c_rotates_ties() -> None:
+def test_p2c_breaks_ties_by_the_same_rule() -> None:
     table = LoadTable(2)
     policy = PowerOfTwoChoices(random.Random(7))
     assert [policy.pick(table, [0, 1]) for _ in range(6)] == [0, 1, 0, 1, 0, 1]
+    assert [policy.pick(table, [0, 1], session_rank=1) for _ in range(3)] == [1, 1, 1]
 
 
 def test_p2c_never_picks_the_worst_and_favours_the_best() -> None:
@@ -414,17 +426,23 @@ rank_loads = st.tuples(
 @given(
     loads=st.lists(rank_loads, min_size=1, max_size=12),
     data=st.data(),
-    start=st.integers(-100, 100),
+    history=st.lists(st.integers(0, 11), max_size=30),
+    session=st.none() | st.integers(0, 11),
 )
-def test_pick_least_loaded_returns_a_minimal_candidate(
-    loads: list[tuple[int, int, float, int]], data: st.DataObject, start: int
+def test_least_loaded_returns_a_minimal_candidate_by_the_tie_rule(
+    loads: list[tuple[int, int, float, int]], data: st.DataObject, history: list[int],
+    session: int | None,
 ) -> None:
     table = LoadTable(len(loads))
     for rank, (waiting, running, kv, dispatched) in enumerate(loads):
         report(table, rank, step=1, waiting=waiting, running=running, kv=kv, lockstep=False)
         table.note_dispatched(rank, dispatched)
     candidates = data.draw(st.lists(st.integers(0, len(loads) - 1), unique=True))
-    chosen = pick_least_loaded(table, candidates, start)
+    policy = LeastLoaded()
+    for rank in history:
+        policy.recent.note(rank)
+    recent = Counter(history)
+    chosen = policy.pick(table, candidates, session_rank=session)
     if not candidates:
         assert chosen is None
         return
@@ -432,9 +450,11 @@ def test_pick_least_loaded_returns_a_minimal_candidate(
     scores = {rank: load_score(table.load(rank)) for rank in candidates}
     best = min(scores.values())
     assert scores[chosen] == best
-    # Among equal bests, the first one scanned from `start` wins.
-    scan = [candidates[(start + i) % len(candidates)] for i in range(len(candidates))]
-    assert chosen == next(rank for rank in scan if scores[rank] == best)
+    tied = [rank for rank in candidates if scores[rank] == best]
+    if session in tied:
+        assert chosen == session
+    else:
+        assert chosen == min(tied, key=lambda rank: (recent[rank], rank))
 
 
 @settings(max_examples=200, deadline=None)

@@ -36,10 +36,13 @@ from hypothesis.stateful import (
 )
 
 from coordinator.core import liveness
+from coordinator.core.events import KV_DRAIN, KVBatchReceived, KVReplayEnded
+from coordinator.core.kv_plane import KVSettings
 from coordinator.core.membership import RankState
 from coordinator.protocol import frontend as fp
 from coordinator.protocol import vllm
 from coordinator.protocol.identity import rank_to_identity
+from coordinator.protocol.kv_events import BlockStored, KVEventBatch
 from tests.unit.core_driver import Driver
 
 TTL = 3.0
@@ -181,6 +184,10 @@ class CoreGroup(RuleBasedStateMachine):
                 self.seen.max_published_wave = published.wave
         self.seen.publishes = len(driver.publishes)
         self.seen.epoch = self.epoch()
+
+    def prompt_keys(self, data: st.DataObject) -> fp.PromptKeys | None:
+        """What a submit says about its prompt (nothing here; see PrefixCoreGroup)."""
+        return None
 
     # ---- engines ---------------------------------------------------------------------------
 
@@ -341,7 +348,8 @@ class CoreGroup(RuleBasedStateMachine):
         failed_before = len(self.driver.failed_sends)
         identity = self.core.frontends.get(index).identity  # type: ignore[union-attr]
         replies = self.driver.request(identity, fp.Submit(self.driver.call_id(), request_id,
-                                                          wave, explicit),
+                                                          wave, explicit,
+                                                          self.prompt_keys(data)),
                                       [b"payload:" + request_id.encode()])
         answers = [r for r in replies if isinstance(r, (fp.Submitted, fp.ErrorReply))]
         assert len(answers) == 1, f"submit answered {len(answers)} times: {replies}"
@@ -541,4 +549,77 @@ class CoreGroup(RuleBasedStateMachine):
 TestCoreGroup = CoreGroup.TestCase
 TestCoreGroup.settings = settings(
     max_examples=150, stateful_step_count=60, deadline=None,
+)
+
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 9, 9, 9, 9, 9], [5, 5, 5, 5, 5]]
+
+
+class PrefixCoreGroup(CoreGroup):
+    """The same group routed by ``--policy prefix``: each live engine also publishes KV
+    events (some lost on the way), and submits name their prompts. On top of every
+    promise above: an index never holds blocks for a rank whose engine is gone, and
+    routing never picks a rank that cannot take requests."""
+
+    @initialize(engines=st.integers(2, 4), expected=st.integers(0, 2), seed=st.integers(0, 9),
+                up=st.booleans())
+    def start(self, engines: int, expected: int, seed: int, up: bool) -> None:
+        self.ranks = engines
+        self.expected = expected
+        self.driver = Driver.start(
+            engines=engines, frontends=expected, max_frontends=MAX_FRONTENDS,
+            max_in_flight=MAX_IN_FLIGHT, lease_ttl_s=TTL, rewake_after_s=REWAKE,
+            watchdog_stall_s=0.0, persist=True, seed=seed, policy="prefix",
+            kv=KVSettings(endpoint="tcp://*:5557", replay_endpoint="tcp://*:5600",
+                          block_size=4),
+        )
+        self.engines = {rank: Engine(rank, 0, f"e{rank}.0") for rank in range(engines)}
+        self.frontend_connections: dict[int, bytes] = {}
+        self.requests: dict[str, Request] = {}
+        self.next_request = 0
+        self.seen = Seen()
+        self.published: dict[tuple[int, int], int] = {}  # (rank, generation) -> next seq
+        if up:
+            self.expected_frontends_register()
+            self.engines_come_up()
+
+    def prompt_keys(self, data: st.DataObject) -> fp.PromptKeys | None:
+        tokens = data.draw(st.sampled_from(PROMPTS))
+        return fp.PromptKeys(tokens, session_id=data.draw(st.sampled_from([None, "a", "b"])))
+
+    @rule(data=st.data(), delivered=st.booleans())
+    def engine_publishes(self, data: st.DataObject, delivered: bool) -> None:
+        rank = data.draw(st.integers(0, self.ranks - 1))
+        engine = self.engines[rank]
+        if engine.phase != "ready":
+            return  # an engine publishes once it serves, after its handshake
+        key = (rank, engine.generation)
+        seq = self.published.get(key, 0)
+        self.published[key] = seq + 1
+        tokens = data.draw(st.sampled_from(PROMPTS))[:8]
+        event = BlockStored([f"{rank}.{engine.generation}.{seq}.{i}".encode() for i in (0, 1)],
+                            None, tokens, 4, None, "GPU", None)
+        if delivered:
+            self.driver.feed(KVBatchReceived(rank, seq, KVEventBatch(0.0, [event])))
+        self.driver.feed(KV_DRAIN)
+
+    @rule(data=st.data())
+    def replay_answers_nothing(self, data: st.DataObject) -> None:
+        rank = data.draw(st.integers(0, self.ranks - 1))
+        self.driver.feed(KVReplayEnded(rank))
+
+    @invariant()
+    def a_gone_rank_holds_nothing_in_the_index(self) -> None:
+        kv = self.core.kv
+        assert kv is not None and kv.index is not None
+        for rank in range(self.ranks):
+            lease = self.core.membership.lease(rank)
+            if lease is not None and lease.state is RankState.DEAD:
+                assert kv.index.blocks(rank) == 0, rank
+        assert kv.pending_blocks >= 0
+
+
+TestPrefixCoreGroup = PrefixCoreGroup.TestCase
+TestPrefixCoreGroup.settings = settings(
+    max_examples=100, stateful_step_count=60, deadline=None,
 )

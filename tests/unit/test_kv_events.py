@@ -23,10 +23,13 @@ from coordinator.protocol.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    GreetingKV,
     KVEventBatch,
     KVSubscription,
+    PublisherSettings,
     ReplayBatch,
     ReplayEnd,
+    decode_greeting_kv,
     decode_kv_batch,
     decode_kv_frames,
     decode_replay_frames,
@@ -573,3 +576,55 @@ def test_random_frame_lists_raise_only_protocol_errors(frames: list[bytes]) -> N
     only_protocol_errors(decode_kv_frames, frames)
     only_protocol_errors(decode_replay_frames, frames)
     only_protocol_errors(decode_replay_request, frames)
+
+
+# --- the engine's greeting ------------------------------------------------------------
+
+
+def test_the_greeting_gives_block_size_and_the_publishers_resolved_endpoints() -> None:
+    greeting = msgspec.msgpack.encode({
+        "max_model_len": 4096, "num_gpu_blocks": 100, "block_size": 32,
+        "data_parallel_rank": 3, "instance_id": "x",
+        "kv_events_config": {
+            "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5560",
+            "replay_endpoint": "tcp://*:5660", "buffer_steps": 10000, "hwm": 100000,
+            "max_queue_size": 100000, "topic": "kv",
+        },
+        "a_key_from_a_newer_vllm": [1, 2],
+    })
+    decoded = decode_greeting_kv(greeting)
+    assert decoded == GreetingKV(32, PublisherSettings(True, "zmq", "tcp://*:5560",
+                                                       "tcp://*:5660", "kv"), 3)
+    assert decoded is not None and decoded.kv_events_config is not None
+    assert decoded.kv_events_config.publishes
+
+
+@pytest.mark.parametrize("settings", [
+    {"enable_kv_cache_events": False, "publisher": "zmq", "endpoint": "tcp://*:5557"},
+    {"enable_kv_cache_events": True, "publisher": "null", "endpoint": "tcp://*:5557"},
+    {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": ""},
+])
+def test_a_greeting_without_a_zmq_publisher_says_so(settings: dict[str, Any]) -> None:
+    decoded = decode_greeting_kv(msgspec.msgpack.encode({"kv_events_config": settings}))
+    assert decoded is not None and decoded.kv_events_config is not None
+    assert not decoded.kv_events_config.publishes
+
+
+def test_greetings_without_kv_settings() -> None:
+    assert decode_greeting_kv(b"") is None
+    assert decode_greeting_kv(msgspec.msgpack.encode({"block_size": 16})) == GreetingKV(16)
+    assert decode_greeting_kv(msgspec.msgpack.encode({"kv_events_config": None})) == GreetingKV()
+
+
+@pytest.mark.parametrize(("payload", "reason"), [
+    (b"\xc1", "decode"),
+    (msgspec.msgpack.encode([1, 2]), "bad_value"),
+    (msgspec.msgpack.encode({"block_size": 0}), "bad_value"),
+    (msgspec.msgpack.encode({"kv_events_config": {"endpoint": 5}}), "bad_value"),
+    (msgspec.msgpack.encode({"kv_events_config": {"endpoint": "x" * 2000}}), "bad_value"),
+    (msgspec.msgpack.encode({"data_parallel_rank": -1}), "bad_value"),
+])
+def test_bad_greetings_raise_protocol_errors(payload: bytes, reason: str) -> None:
+    with pytest.raises(ProtocolError) as info:
+        decode_greeting_kv(payload)
+    assert info.value.reason == reason

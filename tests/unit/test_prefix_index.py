@@ -13,6 +13,8 @@ from typing import Any
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from coordinator.core.prefix_index import (
     BYTES_PER_KEY,
@@ -171,6 +173,54 @@ def test_keys_are_hashed_only_as_far_as_some_rank_matches() -> None:
     assert index.cached_blocks(prompt, [0, 1]) == [2, 4]
     assert len(prompt.keys) == 5
     assert prompt.keys == index.keyer.chain(A + B + C + D + A)
+
+
+def test_a_later_prompt_takes_over_the_keys_of_the_blocks_it_shares() -> None:
+    index = PrefixIndex(BS)
+    apply(index, 0, stored([b"a", b"b", b"c"], A + B + C))
+    first = index.prompt(prompt_of(A, B, C))
+    assert index.cached_blocks(first, [0]) == [3]
+    # The next turn repeats A, B, C and adds D: only D needs hashing.
+    second = index.prompt(prompt_of(A, B, C, D), reuse=first)
+    assert second.keys == first.keys
+    assert index.cached_blocks(second, [0]) == [3]
+    assert second.keys == index.keyer.chain(A + B + C + D)
+    # A prompt that parts from it after A keeps A's key only.
+    third = index.prompt(prompt_of(A, D, C), reuse=second)
+    assert third.keys == second.keys[:1]
+    assert index.cached_blocks(third, [0]) == [1]
+    # Other extras: nothing is taken over past the first block they differ in.
+    salted = index.prompt(prompt_of(A, B), prompt_extras(2, BS, cache_salt="s"), reuse=second)
+    assert salted.keys == []
+    lora = prompt_extras(3, BS, lora_name="x")
+    with_lora = index.prompt(prompt_of(A, B, C), lora)
+    index.cached_blocks(with_lora, [0])
+    assert index.prompt(prompt_of(A, B, C), lora, reuse=with_lora).keys == with_lora.keys
+    assert index.prompt(prompt_of(A, B, C), prompt_extras(3, BS, lora_name="y"),
+                        reuse=with_lora).keys == []
+    assert index.prompt(prompt_of(A), reuse=with_lora).keys == []  # extras only on one side
+    # A prompt keyed for another block size is not reused.
+    assert PrefixIndex(2).prompt(prompt_of(A, B), reuse=first).keys == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(stored_blocks=st.lists(st.integers(0, 3), min_size=1, max_size=8),
+       earlier=st.lists(st.integers(0, 3), max_size=8),
+       later=st.lists(st.integers(0, 3), max_size=8), ranks=st.integers(1, 3))
+def test_taking_keys_over_changes_no_answer(stored_blocks: list[int], earlier: list[int],
+                                            later: list[int], ranks: int) -> None:
+    blocks = [A, B, C, D]
+    index = PrefixIndex(BS)
+    for rank in range(ranks):
+        held = stored_blocks[: len(stored_blocks) - rank]
+        tokens = [t for b in held for t in blocks[b]]
+        apply(index, rank, stored([bytes([rank, i]) for i in range(len(held))], tokens))
+    first = index.prompt(prompt_of(*(blocks[b] for b in earlier)))
+    index.cached_blocks(first, range(ranks))
+    tokens = prompt_of(*(blocks[b] for b in later))
+    fresh, reused = index.prompt(tokens), index.prompt(tokens, reuse=first)
+    assert index.cached_blocks(reused, range(ranks)) == index.cached_blocks(fresh, range(ranks))
+    assert reused.keys == fresh.keys
 
 
 # --- extra keys ------------------------------------------------------------------------

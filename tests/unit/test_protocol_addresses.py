@@ -12,8 +12,8 @@ from coordinator.protocol.addresses import (
     is_loopback_host,
     tcp_endpoint,
 )
-from coordinator.server.app import CoordinatorServer
 from coordinator.server.config import ServerConfig
+from coordinator.server.sockets import socket_specs
 
 
 def test_socket_keys_are_the_servers_in_bind_order() -> None:
@@ -21,8 +21,7 @@ def test_socket_keys_are_the_servers_in_bind_order() -> None:
                            "front_publish", "frontend")
     # The server binds in this order, which is what gives each socket its port under
     # --port-base.
-    server = CoordinatorServer(ServerConfig(engines=1))
-    assert tuple(key for key, _, _ in server._socket_specs()) == SOCKET_KEYS
+    assert tuple(key for key, _, _ in socket_specs(ServerConfig(engines=1))) == SOCKET_KEYS
 
 
 @pytest.mark.parametrize(("endpoint", "ipv6"), [

@@ -23,11 +23,15 @@ REQUESTS: list[Any] = [
     fp.Admin(6, "cordon", 2),
     fp.Admin(7, "uncordon", 2),
     fp.Admin(8, "drain", 65535),
+    fp.Route(9, "r9"),
+    fp.Route(10, "r10", [0, 3], fp.PromptKeys([1, 2, 3], "adapter", "salt",
+                                             [fp.MultiModalItem("img-1", 2, 4)], "chat-7")),
 ]
 
 REPLIES: list[Any] = [
     fp.Registered(1, 0, 0, 4, 7, True, True),
     fp.Submitted(2, "r1", 3, False),
+    fp.Routed(7, "r9", 2, "prefix"),
     fp.Aborted(3, ["a"]),
     fp.StateReply(
         4,
@@ -50,6 +54,24 @@ def test_submit_bytes_put_the_tag_first_and_fields_in_order() -> None:
     header = fp.encode(fp.Submit(call_id=1, request_id="r1", wave=3))
     assert header == b"\x95\xa6submit\x01\xa2r1\x03\xc0"
     assert msgspec.msgpack.decode(header) == ["submit", 1, "r1", 3, None]
+
+
+def test_a_submit_with_prompt_keys_adds_them_as_a_sixth_element() -> None:
+    prompt = fp.PromptKeys([7, 8], session_id="s")
+    header = fp.encode(fp.Submit(call_id=1, request_id="r1", wave=3, prompt=prompt))
+    assert msgspec.msgpack.decode(header) == ["submit", 1, "r1", 3, None,
+                                              [[7, 8], None, None, None, "s"]]
+    message, payload = fp.decode_request([header, b"p"])
+    assert message == fp.Submit(1, "r1", 3, None, prompt) and payload == [b"p"]
+    # A frontend that leaves the keys' trailing defaults out is read the same way.
+    short = msgspec.msgpack.encode(["submit", 1, "r1", 3, None, [[7, 8]]])
+    assert fp.decode_request([short, b"p"])[0] == fp.Submit(1, "r1", 3, None, fp.PromptKeys([7, 8]))
+
+
+def test_route_bytes() -> None:
+    header = fp.encode(fp.Route(2, "r2", [1], fp.PromptKeys([5])))
+    assert header == b"\x95\xa5route\x02\xa2r2\x91\x01\x95\x91\x05\xc0\xc0\xc0\xc0"
+    assert fp.encode(fp.Routed(2, "r2", 1, "prefix")) == b"\x95\xa6routed\x02\xa2r2\x01\xa6prefix"
 
 
 def test_submit_keeps_payload_frames_untouched() -> None:
@@ -92,6 +114,12 @@ def test_call_id_of_is_zero_for_messages_without_one() -> None:
         ([msgspec.msgpack.encode(["register", 1, 0, ""])], "decode"),
         ([msgspec.msgpack.encode(["abort", 1, ["a"] * (fp.MAX_ABORT_IDS + 1)])], "decode"),
         ([msgspec.msgpack.encode({"kind": "state", "call_id": 1})], "decode"),
+        ([msgspec.msgpack.encode(["submit", 1, "r", 0, None, [[-1]]]), b"p"], "decode"),
+        ([msgspec.msgpack.encode(["submit", 1, "r", 0, None, [[2**32]]]), b"p"], "decode"),
+        ([msgspec.msgpack.encode(["submit", 1, "r", 0, None, [[1], None, None,
+                                                             [["i", -1, 1]]]]), b"p"], "decode"),
+        ([msgspec.msgpack.encode(["route", 1, "r", [65536]])], "decode"),
+        ([msgspec.msgpack.encode(["route", 1, "r"]), b"payload"], "frame_count"),
     ],
 )
 def test_bad_requests_raise_protocol_error_with_a_reason(frames: list[bytes], reason: str) -> None:
@@ -123,7 +151,8 @@ def test_random_frames_only_ever_raise_protocol_error(frames: list[bytes]) -> No
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.sampled_from(["register", "submit", "abort", "finished", "state", "admin", "x"]),
+@given(st.sampled_from(["register", "submit", "route", "abort", "finished", "state", "admin",
+                        "x"]),
        st.lists(msgpack_values, max_size=6), st.lists(st.binary(max_size=8), max_size=2))
 def test_wrong_shaped_headers_only_ever_raise_protocol_error(
     tag: str, fields: list[Any], payload: list[bytes]

@@ -245,7 +245,12 @@ def test_token_load_counts_reports_and_what_was_sent_since() -> None:
     assert load.load(1, 0, 0) == 1100
     load.on_report(1)
     assert load.pending(1) == 0
+    load.note_dispatched(2, 300.0)
+    load.forget(2, 300.0)  # its send failed: taken back
+    load.forget(2, 1.0)
+    assert load.pending(2) == 0
     load.note_dispatched(9, 50.0)  # outside the table: only the estimate moves
+    load.forget(9, 50.0)
     load.on_report(9)
     assert load.pending(9) == 0
     load.resize(1)
