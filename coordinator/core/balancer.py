@@ -43,10 +43,11 @@ import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import compress
 from operator import itemgetter
 from typing import Protocol
 
-from coordinator.core.routing import RecentDispatches, pick_least_loaded_sticky
+from coordinator.core.routing import RecentDispatches
 
 # Extra weight for waiting requests on an engine whose KV cache is past this
 # fraction: a queue there drains slowly because new sequences cannot be admitted.
@@ -334,16 +335,18 @@ class LeastLoaded:
         low = min(candidate_scores)
         if low == math.inf:
             return None
-        if candidate_scores.count(low) == 1:
+        lowest = candidate_scores.count(low)
+        if lowest == 1:
             chosen = candidates[candidate_scores.index(low)]
         else:
-            tied = [r for r, score in zip(candidates, candidate_scores, strict=True)
-                    if score == low]
-            picked = pick_least_loaded_sticky([low] * len(tied), tied,
-                                              session_rank=session_rank,
-                                              recent=self.recent.counts(tied))
-            assert picked is not None  # tied is never empty
-            chosen = picked[0]
+            # pick_least_loaded_sticky's order, without its general bookkeeping: an idle
+            # group ties every rank on every submit.
+            tied = candidates if lowest == count else list(
+                compress(candidates, map(low.__eq__, candidate_scores)))
+            if session_rank is not None and session_rank in tied:
+                chosen = session_rank
+            else:
+                chosen = self.recent.least_recent(tied)
         self.recent.note(chosen)
         return chosen
 

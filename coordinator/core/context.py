@@ -387,8 +387,7 @@ class CoreContext:
         return failed
 
     def _maybe_drained(self, rank: int) -> None:
-        lease = self.membership.lease(rank)
-        if lease is None or lease.state is not RankState.DRAINING or self.requests.count(rank):
+        if self.membership.state(rank) is not RankState.DRAINING or self.requests.count(rank):
             return
         self._log(INFO, "dp_rank=%d drained: no requests in flight", rank, key=f"drained:{rank}")
         self._notify_frontends(fp.RankDrained(rank))

@@ -323,6 +323,11 @@ class Membership:
         held = self._leases.get(rank)
         return None if held is None else dataclasses.replace(held)
 
+    def state(self, rank: int) -> RankState | None:
+        """The rank's state, or None without a lease (no copy: for hot paths)."""
+        held = self._leases.get(rank)
+        return None if held is None else held.state
+
     def leases(self) -> list[EngineLease]:
         """Copies of all leases, by ascending rank."""
         return [dataclasses.replace(self._leases[r]) for r in sorted(self._leases)]

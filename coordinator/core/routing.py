@@ -89,6 +89,8 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import compress
+from operator import itemgetter
 from typing import Protocol
 
 __all__ = [
@@ -362,32 +364,53 @@ class TokenLoad:
 
 
 class RecentDispatches:
-    """How many of the last ``window`` dispatches went to each rank."""
+    """How many of the last ``window`` dispatches went to each rank (rank ids, >= 0)."""
 
     def __init__(self, window: int = 256) -> None:
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         self._ranks: deque[int] = deque(maxlen=window)
-        self._counts: dict[int, int] = {}
+        # Counts by rank id, in a list so that ``least_recent`` reads them in C.
+        self._by_rank: list[int] = []
 
     def note(self, rank: int) -> None:
-        ranks = self._ranks
+        if rank < 0:
+            return
+        ranks, by_rank = self._ranks, self._by_rank
         if len(ranks) == ranks.maxlen:
-            oldest = ranks[0]
-            left = self._counts[oldest] - 1
-            if left:
-                self._counts[oldest] = left
-            else:
-                del self._counts[oldest]
+            by_rank[ranks[0]] -= 1
         ranks.append(rank)
-        self._counts[rank] = self._counts.get(rank, 0) + 1
+        if rank >= len(by_rank):
+            by_rank.extend([0] * (rank + 1 - len(by_rank)))
+        by_rank[rank] += 1
 
     def count(self, rank: int) -> int:
-        return self._counts.get(rank, 0)
+        by_rank = self._by_rank
+        return by_rank[rank] if 0 <= rank < len(by_rank) else 0
 
     def counts(self, ranks: Sequence[int]) -> list[int]:
-        get = self._counts.get
-        return [get(rank, 0) for rank in ranks]
+        by_rank, size = self._by_rank, len(self._by_rank)
+        return [by_rank[rank] if 0 <= rank < size else 0 for rank in ranks]
+
+    def least_recent(self, ranks: Sequence[int]) -> int:
+        """Of ``ranks`` (rank ids, not empty), the one with the fewest recent picks, then
+        the lowest.
+
+        An idle group ties every rank on every submit, so this reads the counts in C
+        (``itemgetter`` over the counts by rank) rather than rank by rank.
+        """
+        if len(ranks) == 1:
+            return ranks[0]
+        by_rank = self._by_rank
+        try:
+            counts: Sequence[int] = itemgetter(*ranks)(by_rank)
+        except IndexError:  # a rank never picked yet, past the end of the list
+            by_rank.extend([0] * (max(ranks) + 1 - len(by_rank)))
+            counts = itemgetter(*ranks)(by_rank)
+        low = min(counts)
+        if counts.count(low) == 1:
+            return ranks[counts.index(low)]
+        return min(compress(ranks, map(low.__eq__, counts)))
 
 
 class SessionAffinity:

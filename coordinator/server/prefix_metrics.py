@@ -127,5 +127,6 @@ def prefix_metrics(snap: ObservedState) -> Iterator[Metric]:
         cumulative.append(("+Inf" if math.isinf(bound) else repr(bound), running))
     yield HistogramMetricFamily(_name("route_decision_seconds"), "CPU time the coordinator "
                                 "took over a submit or route call: reading the prompt, the "
-                                "lookup, the choice of rank and the dispatch built on it",
+                                "lookup, the choice of rank and the dispatch built on it "
+                                "(the first call, then one in 64)",
                                 buckets=cumulative, sum_value=total)

@@ -24,6 +24,7 @@ from coordinator.core.balancer import (
     load_score,
     make_policy,
 )
+from coordinator.core.routing import pick_least_loaded_sticky
 
 
 def report(
@@ -310,6 +311,26 @@ def test_ties_prefer_the_sessions_last_rank_over_spreading() -> None:
     # A session rank that is not among the lowest scores does not win.
     table.note_dispatched(2)
     assert policy.pick(table, [0, 1, 2], session_rank=2) == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 7), st.integers(0, 3), st.none() | st.integers(0, 7)),
+                max_size=40),
+       st.lists(st.integers(0, 3), min_size=8, max_size=8))
+def test_least_loaded_picks_what_the_sticky_rule_says(
+        steps: list[tuple[int, int, int | None]], waiting: list[int]) -> None:
+    """The policy's fast tie path decides as routing.pick_least_loaded_sticky does."""
+    table = LoadTable(8)
+    for rank, count in enumerate(waiting):
+        table.note_dispatched(rank, count)
+    policy = LeastLoaded()
+    for first, span, session in steps:
+        candidates = list(range(first, min(8, first + span + 1)))[::-1]
+        scores = [table.score(rank) for rank in candidates]
+        want = pick_least_loaded_sticky(scores, candidates, session_rank=session,
+                                        recent=policy.recent.counts(candidates))
+        assert want is not None
+        assert policy.pick(table, candidates, session_rank=session) == want[0]
 
 
 @pytest.mark.parametrize("engines", [1, 2, 3, 8])
