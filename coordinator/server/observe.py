@@ -49,9 +49,9 @@ class DecisionTimes:
 
     The time is the event loop thread's CPU time: what the decision costs, apart
     from the time the host had the process wait for a CPU (on a busy host that
-    dominates any wall-clock measure of a few hundred microseconds). Calls are
-    sampled (``feeders.DECISION_SAMPLE_EVERY``): the histogram's count is of the
-    calls timed, not of every call."""
+    dominates any wall-clock measure of a few hundred microseconds). Under a flood
+    calls are sampled (``feeders.DECISION_SAMPLE_SPACING_S``): the histogram's
+    count is of the calls timed, not of every call."""
 
     def __init__(self) -> None:
         self.counts = [0] * (len(DECISION_BUCKETS) + 1)

@@ -128,5 +128,5 @@ def prefix_metrics(snap: ObservedState) -> Iterator[Metric]:
     yield HistogramMetricFamily(_name("route_decision_seconds"), "CPU time the coordinator "
                                 "took over a submit or route call: reading the prompt, the "
                                 "lookup, the choice of rank and the dispatch built on it "
-                                "(the first call, then one in 64)",
+                                "(at most one call per 5 ms)",
                                 buckets=cumulative, sum_value=total)
