@@ -346,7 +346,10 @@ class EngineRules(KVRules):
             revived = self.membership.revive(
                 rank, heard_at, "reachable again on dispatch, same incarnation: evidence of "
                 "life revises the death")
-            if revived is not None:
+            if isinstance(revived, Refused):
+                self.counters["lease.revival_refused"] += 1
+                self._log(WARNING, "%s", revived.message, key=f"revival-refused:{rank}")
+            elif revived is not None:
                 self._revived(rank, lease.incarnation, revived, now)
 
     def _revived(self, rank: int, incarnation: int, change: RankChanged, now: float) -> None:

@@ -537,12 +537,24 @@ class Membership:
             lease.dispatch_lost = True
             self._dispatchable = None
 
-    def revive(self, rank: int, heard_at: float, cause: str) -> RankChanged | None:
+    def revive(self, rank: int, heard_at: float, cause: str) -> RankChanged | Refused | None:
         """A DEAD lease that died settled is back (same incarnation): its engine was heard
-        at ``heard_at``. None when the lease cannot be revived."""
+        at ``heard_at``. None when the lease cannot be revived; refused when the group
+        pinned another parallel config hash meanwhile (it was redeployed while this rank
+        was away, and the engine must restart with the group's settings)."""
         lease = self._leases.get(rank)
         if lease is None or lease.state is not RankState.DEAD or lease.died_from is None:
             return None
+        if lease.parallel_config_hash is not None:
+            pinned = self._pinned_hash(heard_at)
+            if pinned is not None and pinned != lease.parallel_config_hash:
+                return Refused(
+                    RefusalReason.CONFIG_HASH_MISMATCH,
+                    f"dp_rank={rank} is reachable again, but the group now runs with "
+                    f"parallel config hash {pinned} and this engine has "
+                    f"{lease.parallel_config_hash}; it stays dead: restart it with the "
+                    f"group's parallel settings")
+            self._group_config_hash = lease.parallel_config_hash
         state, lease.died_from = lease.died_from, None
         lease.state = state
         lease.last_seen = max(lease.last_seen, heard_at)

@@ -993,3 +993,35 @@ def test_restore_refuses_a_rank_that_is_already_registered() -> None:
     refused = _restore(m, 0, RankState.READY)
     assert isinstance(refused, Refused)
     assert "already registered" in refused.message
+
+
+# -- revival and the group's parallel config -------------------------------------------------
+
+
+def test_a_rank_whose_group_was_redeployed_meanwhile_is_not_revived() -> None:
+    """Found by the whole-membership model: a rank that died with one config hash, while
+    the group came back with another, must not rejoin it (its collectives would hang)."""
+    m = make()
+    accepted(hello(m, START, now=0.0))
+    accepted(m.ready(START, parallel_config_hash="h2", now=0.0))
+    assert [c.new for c in m.expire(TTL + 1.0)] == [S.DEAD]
+    accepted(hello(m, START + 1, now=TTL + 1.0))
+    accepted(m.ready(START + 1, parallel_config_hash="h1", now=TTL + 1.0))
+    before = state_of(m)
+    refusal = refused(m.revive(START, TTL + 2.0, "heard again"))
+    assert refusal.reason is R.CONFIG_HASH_MISMATCH
+    assert "restart it with the group's parallel settings" in refusal.message
+    assert state_of(m) == before
+    assert m.group_config_hash == "h1"
+
+
+def test_a_revived_rank_pins_its_hash_when_no_live_rank_carries_one() -> None:
+    m = make()
+    accepted(hello(m, START, now=0.0))
+    accepted(m.ready(START, parallel_config_hash="h2", now=0.0))
+    m.expire(TTL + 1.0)
+    assert isinstance(m.revive(START, TTL + 2.0, "heard again"), RankChanged)
+    assert m.group_config_hash == "h2"
+    accepted(hello(m, START + 1, now=TTL + 2.0))
+    refusal = refused(m.ready(START + 1, parallel_config_hash="h1", now=TTL + 2.0))
+    assert refusal.reason is R.CONFIG_HASH_MISMATCH

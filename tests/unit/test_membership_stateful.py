@@ -319,6 +319,16 @@ class MembershipMachine(RuleBasedStateMachine):
         if prior is None or prior.state is not S.DEAD or prior.died_from is None:
             assert change is None and lease == prior
             return
+        pinned = {other.parallel_config_hash for other in self.m.leases()
+                  if other.rank != rank and other.state in (S.READY, S.CORDONED, S.DRAINING)
+                  and other.parallel_config_hash is not None and alive(other, self.now)}
+        if prior.parallel_config_hash is not None and pinned - {prior.parallel_config_hash}:
+            # The group was redeployed with other settings while this rank was away.
+            event("revival refused: another config hash")
+            assert isinstance(change, Refused)
+            assert change.reason is RefusalReason.CONFIG_HASH_MISMATCH
+            assert lease == prior
+            return
         event("revived")
         assert change == RankChanged(rank, S.DEAD, prior.died_from, "evidence")
         assert lease is not None and lease.state is prior.died_from
