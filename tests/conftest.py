@@ -10,6 +10,7 @@ died during the test, its stderr is printed so the failure report shows why.
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -18,8 +19,15 @@ from typing import Protocol
 
 import pytest
 import zmq
+from hypothesis import settings
 
 from coordinator.launch import CoordinatorHandle, launch
+
+# Property and state-machine tests explore new examples on every run here, which is how
+# they find bugs; CI (`.ci/run` sets HYPOTHESIS_PROFILE=ci) runs a fixed set instead, so
+# that a landing is judged on the examples its author ran too.
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 TRANSPORTS = ("ipc", "tcp")
 

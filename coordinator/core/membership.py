@@ -30,19 +30,17 @@ operator commands (cordon, uncordon, drain) and READY a missing row is a
 refusal; for the liveness events (disconnect, expire) a missing row means
 there is nothing to do.
 
-DEAD is a verdict on evidence, so it can be revised by evidence: a settled
-lease (READY, CORDONED or DRAINING) that died of silence or of a failed probe
-remembers the state it died in, and ``revive`` puts it back there, same
-incarnation, once its engine is reachable again (see ``core.liveness``). A
-lease released for a config-hash mismatch, one that died HANDSHAKING, and
-one replaced by a new HELLO do not come back: only a new HELLO, which makes a
-new incarnation, does.
+DEAD is a verdict on evidence, so evidence revises it: a settled lease (READY,
+CORDONED or DRAINING) that died of silence or a failed probe remembers its
+state, and ``revive`` restores it, same incarnation, once its engine is
+reachable again (``core.liveness``), unless the group pinned another config
+hash meanwhile. Leases released for a hash mismatch, dead HANDSHAKING or
+replaced by a new HELLO come back only by a new HELLO (a new incarnation).
 
 Leases are judged by what arrived, not by the coordinator's wall time: traffic
-renews a lease whatever its age (``touch``), a probe renews it only to the
-moment it proves the engine was heard (``renew``), and a pause of the
-coordinator itself is credited to every lease (``credit_pause``), so a stall
-longer than the TTL condemns nobody.
+renews a lease whatever its age (``touch``), a probe only to when it proves the
+engine was heard (``renew``), and a pause of the coordinator is credited to
+every lease (``credit_pause``): a stall longer than the TTL condemns nobody.
 
 A READY whose ``parallel_config_hash`` differs from the hash pinned by the
 group is refused and the rank is released (its lease turns DEAD): an engine
@@ -325,8 +323,7 @@ class Membership:
 
     def state(self, rank: int) -> RankState | None:
         """The rank's state, or None without a lease (no copy: for hot paths)."""
-        held = self._leases.get(rank)
-        return None if held is None else held.state
+        return held.state if (held := self._leases.get(rank)) is not None else None
 
     def leases(self) -> list[EngineLease]:
         """Copies of all leases, by ascending rank."""
@@ -538,23 +535,18 @@ class Membership:
             self._dispatchable = None
 
     def revive(self, rank: int, heard_at: float, cause: str) -> RankChanged | Refused | None:
-        """A DEAD lease that died settled is back (same incarnation): its engine was heard
-        at ``heard_at``. None when the lease cannot be revived; refused when the group
-        pinned another parallel config hash meanwhile (it was redeployed while this rank
-        was away, and the engine must restart with the group's settings)."""
+        """A DEAD lease that died settled is back (same incarnation), heard at ``heard_at``;
+        None if it cannot be, refused if the group pinned another config hash meanwhile."""
         lease = self._leases.get(rank)
         if lease is None or lease.state is not RankState.DEAD or lease.died_from is None:
             return None
-        if lease.parallel_config_hash is not None:
-            pinned = self._pinned_hash(heard_at)
-            if pinned is not None and pinned != lease.parallel_config_hash:
-                return Refused(
-                    RefusalReason.CONFIG_HASH_MISMATCH,
-                    f"dp_rank={rank} is reachable again, but the group now runs with "
-                    f"parallel config hash {pinned} and this engine has "
-                    f"{lease.parallel_config_hash}; it stays dead: restart it with the "
-                    f"group's parallel settings")
-            self._group_config_hash = lease.parallel_config_hash
+        held, pinned = lease.parallel_config_hash, self._pinned_hash(heard_at)
+        if held is not None and pinned not in (None, held):
+            return Refused(RefusalReason.CONFIG_HASH_MISMATCH, (
+                f"dp_rank={rank} is reachable again, but the group now runs with parallel config "
+                f"hash {pinned} and this engine has {held}: restart it with the group's settings"))
+        if held is not None:
+            self._group_config_hash = held
         state, lease.died_from = lease.died_from, None
         lease.state = state
         lease.last_seen = max(lease.last_seen, heard_at)
