@@ -453,11 +453,13 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
-        assert self._loader is not None
+        if self._loader is None:
+            raise RuntimeError('internal invariant broken: self._loader is not None')
         return self._loader.create_module(spec)
 
     def exec_module(self, module: types.ModuleType) -> None:
-        assert self._loader is not None
+        if self._loader is None:
+            raise RuntimeError('internal invariant broken: self._loader is not None')
         self._loader.exec_module(module)
         with contextlib.suppress(ValueError):
             sys.meta_path.remove(self)

@@ -229,7 +229,8 @@ class FrontendRules(RouteRules):
             self._refuse_submit(add.frontend, add.call_id, add.request_id,
                                 dispatch_refusal(tried, explicit=add.explicit))
             return
-        assert choice is not None
+        if choice is None:
+            raise RuntimeError('internal invariant broken: choice is not None')
         self._dispatch(add.frontend, add.call_id, add.request_id, add.stamped_wave,
                        add.payload, chosen, now, tried=tried, explicit=False, wake=add.wake,
                        cost=choice[1], prompt=add.prompt)

@@ -52,7 +52,8 @@ class KVRules(CoreContext):
                 self._kv_follow(rank, subscription)
 
     def _kv_follow(self, rank: int, subscription: Subscription) -> None:
-        assert self.kv is not None
+        if self.kv is None:
+            raise RuntimeError('KV rules called without a KV plane')
         self.kv.subscribe(rank, subscription)
         live = subscription.live
         self._out.append(KVSubscribe(rank, live.address, live.bind, subscription.replay))
@@ -182,7 +183,8 @@ class KVRules(CoreContext):
 
     def _kv_effects(self, rank: int, effects: Sequence[Effect[KVEventBatch]]) -> None:
         kv = self.kv
-        assert kv is not None
+        if kv is None:
+            raise RuntimeError('KV effects without a KV plane')
         for effect in effects:
             if isinstance(effect, Apply):
                 kv.enqueue(rank, effect.batch)

@@ -381,7 +381,8 @@ class KVStreams(Generic[Batch]):
             else:
                 entry.last_live = max(entry.last_live, seq)
             return []
-        assert step is StreamStep.RESET_SKIP
+        if step is not StreamStep.RESET_SKIP:
+            raise RuntimeError('stream table: expected RESET_SKIP')
         if replayed and seq < entry.expected:
             return []  # a copy of a batch already applied
         out: list[Effect[Batch]] = [] if entry.fresh else [ResetIndex(CAUSE_BAD_BATCH)]
@@ -405,7 +406,8 @@ class KVStreams(Generic[Batch]):
         entry.state, step = STREAM[entry.state, kind]
         if step is StreamStep.SKIP:
             return []
-        assert step is StreamStep.CATCH_UP
+        if step is not StreamStep.CATCH_UP:
+            raise RuntimeError('stream table: expected CATCH_UP')
         entry.rounds = 0
         return [self._request(rank, entry, now)]
 
@@ -415,7 +417,8 @@ class KVStreams(Generic[Batch]):
         if entry is None:
             return
         entry.state, step = STREAM[entry.state, StreamInput.RESET]
-        assert step is StreamStep.RESYNC
+        if step is not StreamStep.RESYNC:
+            raise RuntimeError('stream table: expected RESYNC')
         self._replaying.discard(rank)
         self._ranks[rank] = _Rank(replay=entry.replay)
 
@@ -433,7 +436,8 @@ class KVStreams(Generic[Batch]):
             if now < entry.deadline:
                 continue
             entry.state, step = STREAM[entry.state, StreamInput.REPLAY_TIMEOUT]
-            assert step is StreamStep.GIVE_UP
+            if step is not StreamStep.GIVE_UP:
+                raise RuntimeError('stream table: expected GIVE_UP')
             self.counters.replays_timed_out += 1
             self._replaying.discard(rank)
             out.append((rank, self._give_up(entry, CAUSE_REPLAY_TIMEOUT)))
@@ -478,7 +482,8 @@ class KVStreams(Generic[Batch]):
             entry.expected = seq + 1
             entry.last_live = seq
             return [ResetIndex(CAUSE_GAP), Apply(seq, batch)]
-        assert step is StreamStep.RESTART
+        if step is not StreamStep.RESTART:
+            raise RuntimeError('stream table: expected RESTART')
         self.counters.publisher_restarts += 1
         self.counters.lost_batches += len(entry.held)
         self._replaying.discard(rank)

@@ -203,7 +203,8 @@ class StatsReader:
             self._watching = False
 
     def _schedule(self, delay: float) -> None:
-        assert self._loop is not None
+        if self._loop is None:
+            raise RuntimeError('the stats reader is not running')
         self._unwatch()
         if self._pending is None:
             if delay > 0:
@@ -212,7 +213,8 @@ class StatsReader:
                 self._pending = self._loop.call_soon(self._scheduled_drain)
 
     def _on_readable(self) -> None:
-        assert self._loop is not None
+        if self._loop is None:
+            raise RuntimeError('the stats reader is not running')
         wait = self._next_drain - self._loop.time()
         if wait > 0:
             self._schedule(wait)
@@ -224,7 +226,8 @@ class StatsReader:
         self._drain()
 
     def _drain(self) -> None:
-        assert self._loop is not None
+        if self._loop is None:
+            raise RuntimeError('the stats reader is not running')
         full = False
         try:
             full = self.read_batch() >= self._batch

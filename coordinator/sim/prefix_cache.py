@@ -364,13 +364,19 @@ class BlockPool:
         """Raise AssertionError if an internal invariant does not hold (for tests)."""
         refs = [0] * self.num_blocks
         for block in self._blocks:
-            assert block.refs >= 0
-            assert (block.refs == 0) == (block.block_id in self._free), block.block_id
+            if not (block.refs >= 0):
+                raise AssertionError('internal invariant broken: block.refs >= 0')
+            if not ((block.refs == 0) == (block.block_id in self._free)):
+                raise AssertionError(block.block_id)
             refs[block.block_id] = block.refs
         for block_hash, owners in self._cached.items():
-            assert owners
+            if not (owners):
+                raise AssertionError('internal invariant broken: owners')
             for block_id in owners:
-                assert self._blocks[block_id].block_hash == block_hash
+                if not (self._blocks[block_id].block_hash == block_hash):
+                    raise AssertionError(f"block {block_id} cached under another hash")
         hashed = sum(1 for b in self._blocks if b.block_hash is not None)
-        assert hashed == self.num_cached
-        assert 0 <= self._reserved <= len(self._free)
+        if not (hashed == self.num_cached):
+            raise AssertionError('internal invariant broken: hashed == self.num_cached')
+        if not (0 <= self._reserved <= len(self._free)):
+            raise AssertionError(f"reserved {self._reserved} of {len(self._free)} free")
