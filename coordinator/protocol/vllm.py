@@ -389,6 +389,9 @@ class LegacyFirstRequest(msgspec.Struct, frozen=True):
 
     engine_index: int
     wave: int
+    by_identity: bool = False
+    """The engine was named by its two identity bytes, as vLLM 0.29 to 0.32 send it
+    (older front-ends sent the int index)."""
 
 
 # --- module-level codecs (reused on every call) ----------------------------
@@ -701,7 +704,7 @@ def decode_front_upstream(buf: BufferLike) -> ScaleElasticEP | LegacyFirstReques
         raise ProtocolError(
             f"first-request wave must be in [0, {MAX_WAVE}], got {value}", reason="bad_value"
         )
-    return LegacyFirstRequest(engine_index, value)
+    return LegacyFirstRequest(engine_index, value, isinstance(head, bytes))
 
 
 # --- request payloads on engine input sockets ------------------------------

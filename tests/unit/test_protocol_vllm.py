@@ -1003,8 +1003,8 @@ def test_bad_front_publishes_are_refused(payload: Any) -> None:
         ([1, 3], LegacyFirstRequest(1, 3)),
         ([0, 0], LegacyFirstRequest(0, 0)),
         ([65535, 2**32 - 1], LegacyFirstRequest(65535, 2**32 - 1)),
-        ([b"\x01\x00", 3], LegacyFirstRequest(1, 3)),  # identity bytes, as some versions sent
-        ([b"\x02\x01", 0], LegacyFirstRequest(258, 0)),
+        ([b"\x01\x00", 3], LegacyFirstRequest(1, 3, True)),  # identity bytes, as some versions sent
+        ([b"\x02\x01", 0], LegacyFirstRequest(258, 0, True)),
     ],
 )
 def test_front_upstream_messages(payload: Any, expected: Any) -> None:
