@@ -95,17 +95,23 @@ def carries_only_stats(event: object) -> bool:
             and event.wave_complete is None and event.start_wave is None)
 
 
+STEP_STATES = [None, (None, False), ((0, 0), True), ((1, 3), True), ((2, 0), False)]
+"""Dense (no snapshot rule), and lockstep cores with various marks and changed flags."""
+
+
 @settings(max_examples=400, deadline=None)
-@given(batch_specs, st.integers(0, 3))
-def test_only_superseded_stats_reports_are_left_out(specs_list: list[list[Spec]],
-                                                    floor: int) -> None:
+@given(batch_specs, st.integers(0, 3), st.sampled_from(STEP_STATES))
+def test_only_superseded_stats_reports_are_left_out(
+        specs_list: list[list[Spec]], floor: int,
+        steps: tuple[tuple[int, int] | None, bool] | None) -> None:
     for batch in build(specs_list, well_formed=False):
-        check_batch(batch, floor)
+        check_batch(batch, floor, steps)
 
 
-def check_batch(batch: list[Pending], floor: int) -> None:
+def check_batch(batch: list[Pending], floor: int,
+                steps: tuple[tuple[int, int] | None, bool] | None = None) -> None:
     reference = one_by_one(batch)
-    events, superseded = plan_batch(batch, RANKS, floor)
+    events, superseded = plan_batch(batch, RANKS, floor, steps)
     assert len(events) == len(batch)
     left_out = [index for index, event in enumerate(events) if event is None]
     assert len(left_out) == superseded
