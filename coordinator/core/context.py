@@ -161,6 +161,9 @@ class CoreContext:
         self._hellos_probing: dict[int, HandshakeReceived] = {}
         # Which forms of the pre-0.33 frontend wake were logged (by identity bytes or not).
         self._frontend_wake_forms: set[bool] = set()
+        self.vllm_versions: dict[int, str] = {}
+        """The ``vllm_version`` each rank's greeting named (kept while it is in range)."""
+        self._versions_differ_logged = False
         # Hot counters as plain ints, merged into counter_values().
         self._stats_reports = 0
         self._stats_superseded = 0
@@ -232,6 +235,7 @@ class CoreContext:
                 dispatched_since_report=load.dispatched_since_report,
                 in_flight=self.requests.count(rank),
                 last_seen_age_s=round(now - lease.last_seen, 3) if lease else None,
+                vllm_version=self.vllm_versions.get(rank) if lease else None,
             ))
         return fp.GroupState(
             wave=wave, running=running, lockstep=self.config.lockstep,

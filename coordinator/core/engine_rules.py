@@ -157,6 +157,8 @@ class EngineRules(KVRules):
             # KV event publisher is followed (vLLM's own launcher may have done the
             # handshake, so an unregistered greeting counts too).
             self._kv_greeted(event, now)
+            if event.vllm_version is not None:
+                self._note_vllm_version(rank, event.vllm_version)
         if greeting is Greeting.BOUND or greeting is Greeting.REPEATED:
             self.counters["dispatch.greetings"] += 1
             # Only the greeting that binds a connection is news: a connect is logged once,
@@ -222,6 +224,23 @@ class EngineRules(KVRules):
                 reported, now, cause=f"stats from rank {rank} report wave {stats.current_wave}",
                 rank=rank,
             )
+
+    def _note_vllm_version(self, rank: int, version: str) -> None:
+        """Keep the version a rank's greeting named; say once if the ranks disagree."""
+        versions = self.vllm_versions
+        if versions.get(rank) == version:
+            return
+        versions[rank] = version
+        if self._versions_differ_logged or len(set(versions.values())) < 2:
+            return
+        self._versions_differ_logged = True
+        by_version: dict[str, list[int]] = {}
+        for r, v in sorted(versions.items()):
+            by_version.setdefault(v, []).append(r)
+        self._log(WARNING, "the ranks run different vLLM versions: %s; the wire differs "
+                  "between releases (docs/vllm.md), run one version on every rank",
+                  "; ".join(f"{v} on dp_rank {', '.join(map(str, rs))}"
+                            for v, rs in by_version.items()), key="vllm-versions")
 
     def _on_engine_subscribed(self, event: EngineSubscribed, now: float) -> None:
         step = self.gate.subscribed()

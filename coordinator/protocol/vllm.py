@@ -394,6 +394,12 @@ class LegacyFirstRequest(msgspec.Struct, frozen=True):
     (older front-ends sent the int index)."""
 
 
+class GreetingVersion(msgspec.Struct, gc=False):
+    """The one key of an engine's ready greeting that says which vLLM it runs."""
+
+    vllm_version: str | None = None
+
+
 # --- module-level codecs (reused on every call) ----------------------------
 
 _encoder = msgspec.msgpack.Encoder()
@@ -661,6 +667,20 @@ def encode_scale_elastic_ep(new_engine_count: int) -> bytes:
             f"engine count must be an int in [1, {MAX_RANK + 1}], got {new_engine_count!r}"
         )
     return _encoder.encode((SCALE_ELASTIC_EP, new_engine_count))
+
+
+_greeting_version_decoder = msgspec.msgpack.Decoder(GreetingVersion)
+VLLM_VERSION_CHARS = 64
+
+
+def decode_greeting_version(payload: BufferLike) -> str | None:
+    """The ``vllm_version`` an engine's ready greeting names (cut to 64 characters),
+    or None: no such key, not a string, or not a readable greeting. Never raises."""
+    try:
+        version = _greeting_version_decoder.decode(payload).vllm_version
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    return version[:VLLM_VERSION_CHARS] if version else None
 
 
 def decode_front_upstream(buf: BufferLike) -> ScaleElasticEP | LegacyFirstRequest:

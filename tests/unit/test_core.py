@@ -516,6 +516,27 @@ def test_two_wide_rows_are_a_separate_choice_from_the_wake() -> None:
     assert quiet.wakes() == []
 
 
+def test_each_ranks_vllm_version_is_shown_and_a_disagreement_logged_once() -> None:
+    from coordinator.core.events import EngineGreeted
+
+    driver = group(engines=3)
+    driver.feed(EngineGreeted(0, vllm_version="0.33.0"))
+    driver.feed(EngineGreeted(1, vllm_version="0.33.0"))
+    assert "different vLLM versions" not in driver.log_text()
+    driver.feed(EngineGreeted(2, vllm_version="0.32.0"))
+    driver.feed(EngineGreeted(2, vllm_version="0.31.0"))
+    state = driver.core.group_state(driver.now)
+    assert [e.vllm_version for e in state.engines] == ["0.33.0", "0.33.0", "0.31.0"]
+    text = driver.log_text()
+    assert text.count("different vLLM versions") == 1
+    assert "0.33.0 on dp_rank 0, 1; 0.32.0 on dp_rank 2" in text
+    # A rank that never named one shows none (nil, the tenth element on the wire).
+    quiet = group()
+    state = quiet.core.group_state(quiet.now)
+    assert [e.vllm_version for e in state.engines] == [None, None]
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(state.engines[0]))[9] is None
+
+
 # ---- elastic resize ------------------------------------------------------------------------
 
 
