@@ -172,8 +172,12 @@ class Fed:
     """
 
     def __init__(self, lockstep: bool = True) -> None:
+        # The hang watchdog is off: its alerts judge the time between single reports,
+        # which the ticks here (far apart, to make every publish due) would trip, and a
+        # skipped report is not one it sees (left for later: see the report of issue 19).
         self.core = CoordinatorCore(
-            CoreConfig(rank_start=0, engines=len(RANKS), lockstep=lockstep),
+            CoreConfig(rank_start=0, engines=len(RANKS), lockstep=lockstep,
+                       watchdog_stall_s=0),
             rng=random.Random(0), now=0.0)
         self.published: list[Any] = []
         self.now = 0.0
