@@ -109,7 +109,7 @@ SERVE_OPTIONS: Final = frozenset({
     "--no-wave-coordination", "--policy", "--port-base", "--prefix-slack-tokens",
     "--publish-interval-ms", "--rank-start", "--recorder-size", "--state-file", "--vllm-compat",
     "--watchdog-stall-s", "--max-engine-message-bytes", "--max-request-bytes", "--admin-keys-dir",
-    "--min-engines", "--max-engines", "--frontend-lease-ttl-s",
+    "--min-engines", "--max-engines", "--frontend-lease-ttl-s", "--frontend-wake",
 })
 """Every long option of `dp-coordinator serve`, which argparse matches by unique prefix.
 

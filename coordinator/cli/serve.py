@@ -109,9 +109,14 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.add_argument("--coord-store-port", type=int, default=None,
                    help="_coord_store_port sent in INIT (elastic EP; default: not sent)")
     p.add_argument("--vllm-compat", default="0.33", choices=["0.33", "legacy"],
-                   help="0.33 (default): vLLM 0.33 frontends. legacy: also accept the pre-0.33 "
-                   "frontend wake [engine_index, wave] on front_publish and publish "
-                   "2-element count rows for frontends that unpack two")
+                   help="count rows: 0.33 (default) publishes [waiting, running, "
+                   "kv_cache_usage], which every vLLM from 0.29 to 0.33 unpacks; legacy "
+                   "publishes 2-element rows for frontends from before kv_cache_usage, and "
+                   "honours their wake (as the default does)")
+    p.add_argument("--frontend-wake", default="honour", choices=["honour", "ignore"],
+                   help="the pre-0.33 first-request wake [engine, wave] on front_publish: "
+                   "honour (default; vLLM 0.29-0.32 MoE groups hang without it) or ignore "
+                   "(drop and count it, as vLLM 0.33's coordinator does)")
     p.add_argument("--loop", default="auto", choices=list(LOOP_CHOICES),
                    help="event loop (default auto: uvloop when installed)")
     p.add_argument("--log-level", default="info",
@@ -205,6 +210,7 @@ def run_serve(args: argparse.Namespace) -> int:
         master_port=args.master_port,
         coord_store_port=args.coord_store_port,
         vllm_compat=args.vllm_compat,
+        frontend_wake=args.frontend_wake == "honour",
         loop=args.loop,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,

@@ -16,6 +16,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Console, Group
@@ -96,6 +97,9 @@ def state_tables(state: fp.GroupState) -> Group:
                         Text("sent*: dispatched since the rank's last stats report; "
                              "drained: draining with nothing in flight; last seen: seconds "
                              "since its last traffic", style="dim")]
+    versions = version_line(state.engines)
+    if versions is not None:
+        parts.insert(2, versions)
     if state.counters:
         counters = Table(title="counters", title_justify="left", show_header=False,
                          box=None, pad_edge=False)
@@ -164,3 +168,17 @@ def _watch(query: StateQuery, args: argparse.Namespace, console: Console) -> int
                 continue
             live.update(state_tables(state))
 
+
+def version_line(engines: Sequence[fp.EngineStatus]) -> Text | None:
+    """Which vLLM the ranks' greetings named (None: none named one), red if they differ."""
+    by_version: dict[str, list[int]] = {}
+    for e in engines:
+        if e.vllm_version is not None:
+            by_version.setdefault(e.vllm_version, []).append(e.rank)
+    if not by_version:
+        return None
+    if len(by_version) == 1:
+        return Text(f"vLLM {next(iter(by_version))} on every rank that greeted")
+    return Text("vLLM versions differ: " + "; ".join(
+        f"{v} on rank {', '.join(map(str, ranks))}" for v, ranks in by_version.items()),
+        style="bold red")

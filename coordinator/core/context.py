@@ -78,8 +78,12 @@ class CoreConfig:
     heartbeat_s: float = 5.0
     first_publish_delay_s: float = 0.05
     policy: str = "least-loaded"
-    legacy_frontends: bool = False
-    """Also honour the pre-0.33 frontend wake, and publish 2-wide count rows."""
+    row_width: int = 3
+    """Values per published count row: 3 (vLLM 0.29 to 0.33), 2 (frontends before
+    ``kv_cache_usage``). A separate choice from ``frontend_wake``."""
+    frontend_wake: bool = True
+    """Honour the pre-0.33 frontend wake in lockstep (vLLM 0.29 to 0.32 MoE groups hang
+    without it); False drops it, as vLLM 0.33's coordinator does."""
     frontend_lease_ttl_s: float = 30.0
     """A frontend registration not renewed (traffic, heartbeats) for this long expires."""
     admin_keys: frozenset[str] = frozenset()
@@ -142,7 +146,7 @@ class CoreContext:
         self.extra_counters: Callable[[], Mapping[str, int]] | None = None
         """Counters kept outside the core (CURVE refusals), merged into every view."""
         self._rank_end = config.rank_start + config.engines
-        self._row_width = 2 if config.legacy_frontends else 3
+        self._row_width = config.row_width
         self._publish_requested = False
         self._quiet_after_s = liveness.quiet_after_s(config.lease_ttl_s)
         self._heard_within_s = liveness.heard_within_s(config.lease_ttl_s)
@@ -155,6 +159,11 @@ class CoreContext:
         self._next_observe = now + config.observe_interval_s
         self._save_retry_at: float | None = None
         self._hellos_probing: dict[int, HandshakeReceived] = {}
+        # Which forms of the pre-0.33 frontend wake were logged (by identity bytes or not).
+        self._frontend_wake_forms: set[bool] = set()
+        self.vllm_versions: dict[int, str] = {}
+        """The ``vllm_version`` each rank's greeting named (kept while it is in range)."""
+        self._versions_differ_logged = False
         # Hot counters as plain ints, merged into counter_values().
         self._stats_reports = 0
         self._stats_superseded = 0
@@ -226,6 +235,7 @@ class CoreContext:
                 dispatched_since_report=load.dispatched_since_report,
                 in_flight=self.requests.count(rank),
                 last_seen_age_s=round(now - lease.last_seen, 3) if lease else None,
+                vllm_version=self.vllm_versions.get(rank) if lease else None,
             ))
         return fp.GroupState(
             wave=wave, running=running, lockstep=self.config.lockstep,

@@ -165,6 +165,14 @@ class CoordinatorCore(EngineRules, FrontendRules):
         """
         return self.waves.current_wave if self.config.lockstep else vllm.MAX_WAVE
 
+    def step_state(self) -> tuple[tuple[int, int] | None, bool] | None:
+        """What the lockstep step snapshot depends on: the step mark and whether the rows
+        changed since the last publish (None in dense mode, which takes no snapshots).
+        A batched reader may skip a report only where these decide the same without it."""
+        if not self.config.lockstep:
+            return None
+        return self.loads.step_mark, self.loads.changed
+
     def next_deadline(self) -> float:
         """When the next ``Tick`` is due (monotonic seconds)."""
         deadline = min(self._next_lease_check, self._next_observe)

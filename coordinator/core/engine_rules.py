@@ -157,6 +157,8 @@ class EngineRules(KVRules):
             # KV event publisher is followed (vLLM's own launcher may have done the
             # handshake, so an unregistered greeting counts too).
             self._kv_greeted(event, now)
+            if event.vllm_version is not None:
+                self._note_vllm_version(rank, event.vllm_version)
         if greeting is Greeting.BOUND or greeting is Greeting.REPEATED:
             self.counters["dispatch.greetings"] += 1
             # Only the greeting that binds a connection is news: a connect is logged once,
@@ -223,6 +225,23 @@ class EngineRules(KVRules):
                 rank=rank,
             )
 
+    def _note_vllm_version(self, rank: int, version: str) -> None:
+        """Keep the version a rank's greeting named; say once if the ranks disagree."""
+        versions = self.vllm_versions
+        if versions.get(rank) == version:
+            return
+        versions[rank] = version
+        if self._versions_differ_logged or len(set(versions.values())) < 2:
+            return
+        self._versions_differ_logged = True
+        by_version: dict[str, list[int]] = {}
+        for r, v in sorted(versions.items()):
+            by_version.setdefault(v, []).append(r)
+        self._log(WARNING, "the ranks run different vLLM versions: %s; the wire differs "
+                  "between releases (docs/vllm.md), run one version on every rank",
+                  "; ".join(f"{v} on dp_rank {', '.join(map(str, rs))}"
+                            for v, rs in by_version.items()), key="vllm-versions")
+
     def _on_engine_subscribed(self, event: EngineSubscribed, now: float) -> None:
         step = self.gate.subscribed()
         if step is GateStep.LATE_READY:
@@ -284,21 +303,32 @@ class EngineRules(KVRules):
     def _on_legacy_first_request(self, event: vllm.LegacyFirstRequest, now: float) -> None:
         """A pre-0.33 frontend sent a request to a paused group: wake the others.
 
-        Same rule as a submit through the coordinator (one wake per wave; a stale stamp
-        wakes everyone), but running still flips only on an engine's report.
+        Honoured by default, whatever the row width: a 0.29-0.32 engine given a request
+        stamped with its own wave sends no ``start_wave``, so this message is the only
+        thing that brings its lockstep peers in (``WaveState.on_frontend_wake``).
+        ``frontend_wake=False`` drops it, as vLLM 0.33's coordinator does.
         """
-        if not self.config.legacy_frontends:
+        if not self.config.frontend_wake:
             self._drop("front_publish", "legacy_first_request",
-                       f"[{event.engine_index}, {event.wave}] (pre-0.33 frontend wake; "
-                       "start with --vllm-compat legacy to honour it)")
+                       f"[{event.engine_index}, {event.wave}] (pre-0.33 frontend wake, "
+                       "ignored by --frontend-wake ignore; a vLLM 0.29-0.32 MoE group "
+                       "hangs without it: drop that flag)")
             return
         if self.membership.check_rank(event.engine_index) is not None:
             self._drop("front_publish", "rank_out_of_range",
                        f"legacy wake names engine {event.engine_index}")
             return
         self.counters["legacy.first_requests"] += 1
+        if event.by_identity not in self._frontend_wake_forms:
+            self._frontend_wake_forms.add(event.by_identity)
+            who = ("a vLLM 0.29-0.32 frontend (engine named by its identity bytes)"
+                   if event.by_identity else "a frontend older than vLLM 0.29 (engine index)")
+            self._log(INFO, "honouring the pre-0.33 first-request wake from %s, first "
+                      "[%d, %d]%s", who, event.engine_index, event.wave,
+                      "" if self.config.lockstep else "; dense group: nothing to wake",
+                      key=f"frontend-wake:{event.by_identity}")
         self._apply_wave_actions(
-            self.waves.on_first_request(event.engine_index, event.wave, now=now), now,
+            self.waves.on_frontend_wake(event.engine_index, event.wave, now=now), now,
             cause="legacy first request", rank=event.engine_index, coordinator_wake=True,
         )
 

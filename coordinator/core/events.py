@@ -70,6 +70,8 @@ class EngineGreeted(msgspec.Struct, frozen=True, gc=False):
     kv: GreetingKV | None = None
     host: str | None = None
     kv_unreadable: bool = False
+    vllm_version: str | None = None
+    """The greeting's ``vllm_version`` (vLLM engines send one), at most 64 characters."""
 
 
 class PeerConnected(msgspec.Struct, frozen=True):

@@ -439,6 +439,23 @@ class WaveState:
             TRANSITIONS[WaveEvent.FIRST_REQUEST, condition], stamped_wave, chosen, now
         )
 
+    def on_frontend_wake(
+        self, chosen: int, stamped_wave: int, *, now: float | None = None
+    ) -> list[WaveAction]:
+        """A pre-0.33 frontend's first-request wake ``[engine, stamped_wave]``.
+
+        vLLM 0.29-0.32 engines send ``start_wave`` only for a request stamped with an
+        older wave, so after a pause the first request's engine starts alone and only
+        this message wakes its lockstep peers. Those versions' coordinators answer it,
+        while paused, with ``START_DP_WAVE`` for the current wave, excluding nobody
+        (a stale stamp sends nil; a current one sends the identity bytes, which no
+        engine's int index equals). The rule is the coordinator's own first request:
+        ``[current, nil]`` once per wave, a stale stamp wakes the current wave, a newer
+        one is adopted first; running flips only on an engine's report (vLLM's
+        #51476 fix), and a dense group sends nothing.
+        """
+        return self.on_first_request(chosen, stamped_wave, now=now)
+
     def on_group_changed(self) -> list[WaveAction]:
         """A rank left the group or a new incarnation took it over."""
         if not self.lockstep:

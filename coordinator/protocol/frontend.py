@@ -163,7 +163,8 @@ FrontendRequest = Register | Submit | Route | Abort | Finished | QueryState | Ad
 
 
 class EngineStatus(msgspec.Struct, array_like=True, frozen=True):
-    """One rank as the coordinator sees it."""
+    """One rank as the coordinator sees it (``vllm_version`` is a tenth element, added
+    last: decoders of the older nine elements ignore it)."""
 
     rank: int
     state: str
@@ -174,6 +175,7 @@ class EngineStatus(msgspec.Struct, array_like=True, frozen=True):
     dispatched_since_report: int
     in_flight: int
     last_seen_age_s: float | None
+    vllm_version: str | None = None
 
 
 class GroupState(msgspec.Struct, frozen=True):

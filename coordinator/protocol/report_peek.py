@@ -35,7 +35,7 @@ import msgspec
 
 from coordinator.protocol.vllm import BufferLike, Wave
 
-__all__ = ["peek_engine_index", "stats_only_wave"]
+__all__ = ["peek_engine_index", "stats_only_mark", "stats_only_wave"]
 
 _EMPTY_ARRAY = msgspec.Raw(b"\x90")
 _NIL = msgspec.Raw(b"\xc0")
@@ -45,6 +45,7 @@ class _StatsWave(msgspec.Struct, gc=False):
     """A statistics map with string keys: its ``current_wave``; every other value is skipped."""
 
     current_wave: Wave = 0
+    step_counter: int = 0
 
 
 class _Envelope(msgspec.Struct, array_like=True, gc=False):
@@ -79,10 +80,17 @@ def peek_engine_index(buf: bytes) -> int:
 
 def stats_only_wave(buf: BufferLike, engine_index: int) -> int:
     """The reported wave if `buf` is a stats report of `engine_index` and nothing else, else -1."""
+    mark = stats_only_mark(buf, engine_index)
+    return -1 if mark is None else mark[0]
+
+
+def stats_only_mark(buf: BufferLike, engine_index: int) -> tuple[int, int] | None:
+    """`(current_wave, step_counter)` if `buf` is a stats report of `engine_index` and
+    nothing else, else None (the step is read as any int; bounds are the decoder's)."""
     try:
         envelope = _envelope_decoder.decode(buf)
     except (msgspec.DecodeError, RecursionError):
-        return -1
+        return None
     stats = envelope.scheduler_stats
     if (
         stats is None
@@ -92,5 +100,5 @@ def stats_only_wave(buf: BufferLike, engine_index: int) -> int:
         or envelope.wave_complete != _NIL
         or envelope.start_wave != _NIL
     ):
-        return -1
-    return stats.current_wave
+        return None
+    return stats.current_wave, stats.step_counter

@@ -389,6 +389,15 @@ class LegacyFirstRequest(msgspec.Struct, frozen=True):
 
     engine_index: int
     wave: int
+    by_identity: bool = False
+    """The engine was named by its two identity bytes, as vLLM 0.29 to 0.32 send it
+    (older front-ends sent the int index)."""
+
+
+class GreetingVersion(msgspec.Struct, gc=False):
+    """The one key of an engine's ready greeting that says which vLLM it runs."""
+
+    vllm_version: str | None = None
 
 
 # --- module-level codecs (reused on every call) ----------------------------
@@ -660,6 +669,20 @@ def encode_scale_elastic_ep(new_engine_count: int) -> bytes:
     return _encoder.encode((SCALE_ELASTIC_EP, new_engine_count))
 
 
+_greeting_version_decoder = msgspec.msgpack.Decoder(GreetingVersion)
+VLLM_VERSION_CHARS = 64
+
+
+def decode_greeting_version(payload: BufferLike) -> str | None:
+    """The ``vllm_version`` an engine's ready greeting names (cut to 64 characters),
+    or None: no such key, not a string, or not a readable greeting. Never raises."""
+    try:
+        version = _greeting_version_decoder.decode(payload).vllm_version
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    return version[:VLLM_VERSION_CHARS] if version else None
+
+
 def decode_front_upstream(buf: BufferLike) -> ScaleElasticEP | LegacyFirstRequest:
     """Decode a non-subscription message from a front-end on the front publish socket.
 
@@ -701,7 +724,7 @@ def decode_front_upstream(buf: BufferLike) -> ScaleElasticEP | LegacyFirstReques
         raise ProtocolError(
             f"first-request wave must be in [0, {MAX_WAVE}], got {value}", reason="bad_value"
         )
-    return LegacyFirstRequest(engine_index, value)
+    return LegacyFirstRequest(engine_index, value, isinstance(head, bytes))
 
 
 # --- request payloads on engine input sockets ------------------------------

@@ -59,8 +59,12 @@ class ServerConfig:
     master_port_list: list[int] = field(default_factory=list)
     coord_store_port: int | None = None
     vllm_compat: str = "0.33"
-    """"0.33": vLLM 0.33 frontends. "legacy": also take the pre-0.33 frontend wake
-    `[engine_index, wave]` on front_publish and publish 2-element count rows."""
+    """The count rows' width: "0.33" publishes 3-wide rows (what every vLLM from 0.29
+    to 0.33 unpacks); "legacy" 2-wide rows for frontends from before
+    ``kv_cache_usage``, with the pre-0.33 wake honoured (unless ``frontend_wake``)."""
+    frontend_wake: bool = True
+    """Honour the pre-0.33 frontend wake `[engine, wave]` on front_publish (vLLM 0.29 to
+    0.32 MoE groups need it); False drops it, as vLLM 0.33's coordinator does."""
     loop: str = "auto"
     """Event loop: "auto" (uvloop when installed), "uvloop" or "asyncio"."""
     log_interval_s: float = 5.0
@@ -104,6 +108,11 @@ class ServerConfig:
         return KVSettings(endpoint=self.kv_events_endpoint,
                           replay_endpoint=self.kv_events_replay_endpoint,
                           block_size=self.kv_block_size)
+
+    @property
+    def row_width(self) -> int:
+        """Values per published count row (``vllm_compat``)."""
+        return 2 if self.vllm_compat == "legacy" else 3
 
     def max_message_bytes(self, key: str) -> int:
         """The bound on one message (all frames) read on socket ``key``."""

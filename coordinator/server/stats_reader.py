@@ -31,10 +31,21 @@ Theory of operation
   (the envelope and the reported wave only, the rest of the statistics
   skipped); those it vouches for are not decoded and are counted as
   ``stats.superseded``. Every other frame is decoded in full, and the events
-  are fed to the core in arrival order. Wave messages, bad frames and each
-  engine's newest statistics are therefore handled exactly as one by one;
-  the core ends in the same state, and only counters about the skipped
-  reports differ (docs/OPERATIONS.md, "Stats ingest"). Engine indices outside
+  are fed to the core in arrival order.
+* **Step snapshots.** In lockstep the core keeps the rows as they were before
+  the first report of a newer (wave, step) when changes are unpublished, and
+  publishes that snapshot first (vLLM 0.33's rule). The skipped reports'
+  (wave, step) marks are peeked too (``report_peek.stats_only_mark``), and a
+  forward pass over the batch replays the snapshot rule on the marks: a
+  report stays out only if it neither raises the mark nor finds the rows
+  unchanged (so every snapshot decision is the same without it) and is not
+  its engine's last report before the batch's last snapshot (which records
+  its counts). No publish happens inside a batch, so that snapshot is the only
+  one that can go out. Dense groups take no snapshots and skip as above.
+  Wave messages, bad frames and each engine's newest statistics are therefore
+  handled exactly as one by one; the core ends in the same state and
+  publishes the same rows, and only counters about the skipped reports differ
+  (docs/OPERATIONS.md, "Stats ingest"). Engine indices outside
   the managed ranks never supersede anything, so each of their frames is
   still dropped and counted.
 * **Bad shapes.** A message of several frames is taken off the socket without
@@ -58,7 +69,7 @@ from coordinator.core.coordinator import CoordinatorCore
 from coordinator.core.events import BadFrame
 from coordinator.protocol import vllm
 from coordinator.protocol.errors import ProtocolError
-from coordinator.protocol.report_peek import peek_engine_index, stats_only_wave
+from coordinator.protocol.report_peek import peek_engine_index, stats_only_mark, stats_only_wave
 from coordinator.server.planes.back_output import decode_frame, frame_count_error
 
 DEFAULT_BATCH = 256
@@ -88,16 +99,24 @@ _NOBLOCK = int(zmq.NOBLOCK)
 Pending = bytes | BadFrame
 
 
-def plan_batch(frames: Sequence[Pending], rank_range: range, wave_floor: int
+StepState = tuple[tuple[int, int] | None, bool]
+"""A lockstep core's step mark and whether its rows changed since the last publish
+(``CoordinatorCore.step_state``); None for a dense core, which takes no snapshots."""
+
+
+def plan_batch(frames: Sequence[Pending], rank_range: range, wave_floor: int,
+               steps: StepState | None = None,
                ) -> tuple[list[vllm.EngineReport | BadFrame | None], int]:
     """Each frame's event (None where a stats report is superseded), and how many are.
 
     Pure: see the module docstring. ``frames`` holds each message's one frame, or
     the ``BadFrame`` it already is; the events are in arrival order. Only reports
-    naming a wave up to ``wave_floor`` are skipped (``CoordinatorCore.skippable_wave``).
+    naming a wave up to ``wave_floor`` are skipped (``CoordinatorCore.skippable_wave``),
+    and, with ``steps``, only those whose absence changes no step snapshot.
     """
     events: list[vllm.EngineReport | BadFrame | None] = [None] * len(frames)
     later_stats: set[int] = set()
+    held: dict[int, tuple[int, int]] = {}
     superseded = 0
     report_type = vllm.EngineReport
     for index in range(len(frames) - 1, -1, -1):
@@ -106,16 +125,79 @@ def plan_batch(frames: Sequence[Pending], rank_range: range, wave_floor: int
             events[index] = frame
             continue
         rank = peek_engine_index(frame)
-        if rank in later_stats and 0 <= stats_only_wave(frame, rank) <= wave_floor:
-            superseded += 1
-            continue
+        if rank in later_stats:
+            if steps is None:
+                if 0 <= stats_only_wave(frame, rank) <= wave_floor:
+                    superseded += 1
+                    continue
+            else:
+                mark = stats_only_mark(frame, rank)
+                if mark is not None and 0 <= mark[0] <= wave_floor:
+                    held[index] = mark
+                    continue
         event = decode_frame(frame)
         events[index] = event
         if (type(event) is report_type and event.scheduler_stats is not None
                 and event.wave_complete is None and event.start_wave is None
                 and event.engine_index in rank_range):
             later_stats.add(event.engine_index)
+    if held and steps is not None:
+        _keep_what_snapshots_need(frames, events, held, steps, rank_range)
+        superseded += len(held)
     return events, superseded
+
+
+def _applies(event: vllm.EngineReport | BadFrame | None, rank_range: range) -> bool:
+    return (type(event) is vllm.EngineReport and event.scheduler_stats is not None
+            and event.engine_index in rank_range)
+
+
+def _keep_what_snapshots_need(
+    frames: Sequence[Pending], events: list[vllm.EngineReport | BadFrame | None],
+    held: dict[int, tuple[int, int]], steps: StepState, rank_range: range,
+) -> None:
+    """Decode the held reports a lockstep step snapshot depends on; the rest stay out.
+
+    Replays the table's snapshot rule (``LoadTable.apply_stats``) over the batch's
+    marks. A held report may stay out only if it neither raises the step mark nor
+    finds the rows unchanged (then the mark, the changed flag and so every snapshot
+    decision are the same without it), and if it is not its engine's last report
+    before the batch's last snapshot (which records that report's counts). No publish
+    happens inside a batch, so the last snapshot is the only one that can be sent.
+    """
+    step_mark, changed = steps
+    last_snapshot = -1
+    for index in range(len(events)):
+        mark = held.get(index)
+        if mark is not None:
+            if changed and step_mark is not None and mark <= step_mark:
+                continue
+            del held[index]
+            events[index] = decode_frame(frames[index])  # type: ignore[arg-type]
+        event = events[index]
+        if _applies(event, rank_range):
+            stats = event.scheduler_stats  # type: ignore[union-attr]
+            report_mark = (stats.current_wave, stats.step_counter)  # type: ignore[union-attr]
+            if step_mark is None or report_mark > step_mark:
+                if changed:
+                    last_snapshot = index
+                step_mark = report_mark
+            changed = True
+    if last_snapshot <= 0 or not held:
+        return
+    waiting = {peek_engine_index(frames[i]) for i in held if i < last_snapshot}  # type: ignore[arg-type]
+    for index in range(last_snapshot - 1, -1, -1):
+        if not waiting:
+            return
+        if index in held:
+            rank = peek_engine_index(frames[index])  # type: ignore[arg-type]
+            if rank not in waiting:
+                continue
+            del held[index]
+            events[index] = decode_frame(frames[index])  # type: ignore[arg-type]
+        event = events[index]
+        if _applies(event, rank_range):
+            waiting.discard(event.engine_index)  # type: ignore[union-attr]
 
 
 def multipart_event(first: zmq.Frame, recv: Callable[..., zmq.Frame],
@@ -249,7 +331,8 @@ class StatsReader:
         if not frames:
             return 0
         core = self._core
-        events, superseded = plan_batch(frames, core.rank_range, core.skippable_wave())
+        events, superseded = plan_batch(frames, core.rank_range, core.skippable_wave(),
+                                        core.step_state())
         now = self._clock()
         on_report, handle, execute = core.on_engine_report, core.handle, self._execute
         report_type = vllm.EngineReport

@@ -1,13 +1,16 @@
-"""`--vllm-compat legacy`: front-ends from before vLLM 0.33.
+"""Front-ends from before vLLM 0.33: their wake, and `--vllm-compat legacy`'s rows.
 
-Those front-ends (spec section 7) send msgpack `[engine_index, wave]` up their
-XSUB on front_publish when they route a request while the group is paused,
-expecting the coordinator to wake the other engines, and they unpack each
-count row as `(waiting, running)`. In legacy mode the coordinator honours the
-wake (once per wave, waking everyone, as its own first-request rule does) and
-publishes two-element rows. In the default 0.33 mode the same message is
-dropped and counted, as vLLM 0.33 ignores it. Waves stay within the u32 that
-vLLM's Rust front-end decodes.
+Those front-ends (spec section 7) send msgpack `[engine, wave]` up their XSUB on
+front_publish when they route a request while the group is paused, expecting
+the coordinator to wake the other engines; 0.29-0.32 name the engine by its
+identity bytes, and their engines send no `start_wave` for a request stamped
+with their own wave, so in MoE the wake is the only thing that brings the
+other ranks in. The coordinator honours it by default (once per wave, waking
+everyone, as its own first-request rule does), with the 3-wide rows every
+front-end from 0.29 to 0.33 unpacks. `--vllm-compat legacy` adds two-element
+rows for front-ends older still; `--frontend-wake ignore` drops and counts the
+wake, as vLLM 0.33 does. Waves stay within the u32 that vLLM's Rust front-end
+decodes.
 """
 
 from __future__ import annotations
@@ -155,10 +158,38 @@ def test_full_publishes_have_two_element_rows(
     assert group.next_wave_publish() == wave_publish(0, True)
 
 
-def test_default_mode_drops_and_counts_the_legacy_wake(
+def test_a_paused_032_moe_group_is_woken_by_its_frontend_by_default(
     coordinator: CoordinatorFactory, zmq_ctx: Ctx
 ) -> None:
-    group = LegacyGroup(coordinator, zmq_ctx, 2, ["--heartbeat-s", "0.5"])
+    """Issue 19: 0.32 ranks, paused; the API server sends its ADD straight to rank 1
+    and the old first-request wake here. Rank 1 stays silent (its request carries its
+    own wave), so without our START_DP_WAVE ranks 0 and 2 would never join: a hang."""
+    group = LegacyGroup(coordinator, zmq_ctx, 3, ["--heartbeat-s", "0.5"])
+    assert unpack(group.first_publish)[0] == [[0, 0, 0.0]] * 3  # rows stay 3-wide
+    group.engines[0].report(engine_outputs(0, start_wave=0))
+    assert group.next_wave_publish() == wave_publish(0, True)
+    group.engines[0].report(engine_outputs(0, wave_complete=0))
+    assert group.next_wave_publish() == wave_publish(1, False)
+    group.all_broadcasts(0.3)  # the relay of rank 0's start
+    # The ADD for rank 1 goes engine-direct (no coordinator traffic); then the wake.
+    group.legacy_wake(b"\x01\x00", 1)
+    assert group.all_broadcasts(0.5) == [[start_dp_wave_frames(1, None)]] * 3
+    group.counter("legacy.first_requests", 1)
+    # The woken ranks start: rank 0's mirror start_wave flips running, 3-wide rows follow.
+    group.engines[0].report(engine_outputs(0, start_wave=1))
+    assert group.next_wave_publish() == wave_publish(1, True)
+    group.engines[1].report(stats_report(1, waiting=0, running=1, step=1, wave=1))
+    want = [[0, 0, 0.0], [0, 1, 0.0], [0, 0, 0.0]]
+    wait_until(lambda: unpack(group.front.next_full_publish())[0] == want, timeout=5.0,
+               what="3-wide rows after the wake")
+    assert group.handle.is_alive()
+
+
+def test_frontend_wake_ignore_drops_and_counts_the_legacy_wake(
+    coordinator: CoordinatorFactory, zmq_ctx: Ctx
+) -> None:
+    group = LegacyGroup(coordinator, zmq_ctx, 2,
+                        ["--heartbeat-s", "0.5", "--frontend-wake", "ignore"])
     assert unpack(group.first_publish)[0] == [[0, 0, 0.0], [0, 0, 0.0]]
     group.legacy_wake(1, 0)
     assert group.all_broadcasts(0.4) == [[], []]

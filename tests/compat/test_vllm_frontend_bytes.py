@@ -137,9 +137,11 @@ def test_late_front_end_is_not_left_blind_until_the_heartbeat(
 def test_upstream_messages_of_a_vllm_front_end(
     coordinator: CoordinatorFactory, zmq_ctx: Ctx
 ) -> None:
-    """Subscribe/unsubscribe frames, SCALE_ELASTIC_EP, and 0.33's ignored legacy wake."""
+    """Subscribe/unsubscribe frames, SCALE_ELASTIC_EP, and the legacy wake ignored as 0.33
+    does (``--frontend-wake ignore``; tests/compat/test_legacy_mode.py: honoured)."""
     # Resizing is allowed within --min-engines..--max-engines (by default, not at all).
-    handle = coordinator(2, extra_args=["--heartbeat-s", "0.5", "--max-engines", "3"])
+    handle = coordinator(2, extra_args=["--heartbeat-s", "0.5", "--max-engines", "3",
+                                        "--frontend-wake", "ignore"])
     engines = open_gate(zmq_ctx, handle.addresses, 2)
     front = RawFrontend(zmq_ctx, handle.addresses)
     front.subscribe_publishes()
@@ -149,7 +151,7 @@ def test_upstream_messages_of_a_vllm_front_end(
     front.send_upstream(pack([1, 0]))
     front.send_upstream(pack([b"\x01\x00", 0]))  # the identity-bytes variant
     for engine in engines:
-        assert engine.recv_publish(0.3) is None, "a legacy wake must not broadcast in 0.33 mode"
+        assert engine.recv_publish(0.3) is None, "an ignored legacy wake must not broadcast"
     counters = wait_until(
         lambda: (c := front.counters()).get("dropped.front_publish.legacy_first_request") == 2
         and c, timeout=3.0, what="legacy wakes counted",

@@ -654,3 +654,30 @@ def test_handshake_group_helper_with_engine_ids(
     assert [(e[0], e[1], e[2]) for e in state["engines"]] == [
         (0, "ready", "e0"), (1, "ready", "e1"), (2, "ready", "e2")
     ]
+
+
+def test_each_ranks_vllm_version_is_in_the_state_and_a_mix_is_logged(
+    coordinator: CoordinatorFactory, zmq_ctx: Any
+) -> None:
+    """The greeting's vllm_version, per rank, in the state reply; ranks that run
+    different releases are logged once (the wire differs between them)."""
+    from tests.vllm_peers import RawEngine, RawFrontend, pack, ready_response
+
+    handle = coordinator(2)
+    engines = [RawEngine(zmq_ctx, handle.addresses, rank, dp_size=2) for rank in (0, 1)]
+    for engine, version in zip(engines, ("0.33.0", "0.32.0"), strict=True):
+        engine.hello()
+        engine.connect_plane()
+        engine.subscribe()
+        engine.greet(pack({**ready_response(engine.rank, 2), "vllm_version": version}))
+    for engine in engines:
+        assert engine.expect_publish() == [READY]
+        assert engine.ready("cfg-hash-1") is None
+    front = RawFrontend(zmq_ctx, handle.addresses)
+    versions = wait_until(
+        lambda: (v := [e[9] for e in front.state()["engines"]]) == ["0.33.0", "0.32.0"] and v,
+        timeout=5.0, what="both versions in the state")
+    assert versions
+    wait_until(lambda: "different vLLM versions" in handle.stderr_text(), timeout=5.0,
+               what="the mix logged")
+    assert handle.stderr_text().count("different vLLM versions") == 1

@@ -54,6 +54,21 @@ def wide_state() -> fp.GroupState:
                          counters={"refused.handshake.parallel_config_mismatch": 12})
 
 
+def test_status_says_which_vllm_the_ranks_run_and_flags_a_mix() -> None:
+    def state(*versions: str | None) -> fp.GroupState:
+        engines = [fp.EngineStatus(rank, "ready", None, 0, 0, 0.0, 0, 0, 1.0, version)
+                   for rank, version in enumerate(versions)]
+        return fp.GroupState(wave=0, running=False, lockstep=True, rank_start=0,
+                             rank_count=len(engines), frontends=0, in_flight=0,
+                             engines=engines, counters={})
+
+    assert "vLLM" not in rendered(state_tables(state(None, None)), 80)
+    assert "vLLM 0.33.0 on every rank that greeted" in rendered(
+        state_tables(state("0.33.0", None, "0.33.0")), 80)
+    text = rendered(state_tables(state("0.33.0", "0.32.0", "0.33.0")), 100)
+    assert "vLLM versions differ: 0.33.0 on rank 0, 2; 0.32.0 on rank 1" in text
+
+
 def row_lines(text: str, rank_count: int) -> list[str]:
     """The table line that starts each rank's row."""
     lines = text.splitlines()

@@ -456,12 +456,52 @@ def test_wave_reports_relay_and_publish() -> None:
         (0, True), (1, False)]
 
 
-def test_legacy_first_requests_are_honoured_only_in_legacy_mode() -> None:
-    modern = group()
-    modern.feed(vllm.LegacyFirstRequest(0, 0))
-    assert modern.wakes() == []
-    assert modern.core.counter_values()["dropped.front_publish.legacy_first_request"] == 1
-    legacy = group(legacy_frontends=True)
+def test_a_pre_033_frontend_wake_is_honoured_by_default_with_3_wide_rows() -> None:
+    """vLLM 0.29-0.32: the engine given a current-wave request sends no start_wave, so
+    the frontend's [identity, wave] is what wakes its lockstep peers (issue 19)."""
+    driver = group(engines=3)
+    driver.report(0, start_wave=0)
+    driver.report(0, wave_complete=0)  # paused at wave 1
+    driver.publishes.clear()
+    driver.feed(vllm.LegacyFirstRequest(2, 1, by_identity=True))
+    assert driver.wakes() == [(1, None)]  # every rank, the chosen one included
+    assert driver.core.waves.snapshot() == (1, False)  # running waits for an engine
+    # Concurrent first requests of the same wave cost no second wake.
+    driver.feed(vllm.LegacyFirstRequest(0, 1, by_identity=True))
+    driver.feed(vllm.LegacyFirstRequest(1, 1))
+    assert driver.wakes() == [(1, None)]
+    counters = driver.core.counter_values()
+    assert counters["legacy.first_requests"] == 3
+    assert "dropped.front_publish.legacy_first_request" not in counters
+    # Logged once per form, naming which frontend sent it.
+    text = driver.log_text()
+    assert text.count("vLLM 0.29-0.32 frontend") == 1
+    assert text.count("older than vLLM 0.29") == 1
+    assert "--vllm-compat legacy" not in text
+    driver.tick(1.0)
+    rows, wave, running = msgspec.msgpack.decode(
+        [f for s, f in driver.publishes if s == "front_publish"][-1][0])
+    assert all(len(row) == 3 for row in rows) and (wave, running) == (1, False)
+
+
+def test_a_pre_033_frontend_wake_in_a_dense_group_wakes_nothing() -> None:
+    driver = group(lockstep=False)
+    driver.feed(vllm.LegacyFirstRequest(1, 0, by_identity=True))
+    assert driver.wakes() == []
+    assert "dropped.front_publish.legacy_first_request" not in driver.core.counter_values()
+
+
+def test_frontend_wake_false_drops_it_and_names_no_row_width_fix() -> None:
+    driver = group(frontend_wake=False)
+    driver.feed(vllm.LegacyFirstRequest(0, 0))
+    assert driver.wakes() == []
+    assert driver.core.counter_values()["dropped.front_publish.legacy_first_request"] == 1
+    assert "--vllm-compat legacy" not in driver.log_text()
+    assert "--frontend-wake" in driver.log_text()
+
+
+def test_two_wide_rows_are_a_separate_choice_from_the_wake() -> None:
+    legacy = group(row_width=2)
     legacy.feed(vllm.LegacyFirstRequest(9, 0))
     assert legacy.core.counter_values()["dropped.front_publish.rank_out_of_range"] == 1
     legacy.feed(vllm.LegacyFirstRequest(1, 0))
@@ -471,6 +511,30 @@ def test_legacy_first_requests_are_honoured_only_in_legacy_mode() -> None:
     # 2-wide rows for older frontends.
     rows, wave, running = msgspec.msgpack.decode(full[-1][0])
     assert rows == [[0, 0], [0, 0]] and (wave, running) == (0, False)
+    quiet = group(row_width=2, frontend_wake=False)
+    quiet.feed(vllm.LegacyFirstRequest(1, 0))
+    assert quiet.wakes() == []
+
+
+def test_each_ranks_vllm_version_is_shown_and_a_disagreement_logged_once() -> None:
+    from coordinator.core.events import EngineGreeted
+
+    driver = group(engines=3)
+    driver.feed(EngineGreeted(0, vllm_version="0.33.0"))
+    driver.feed(EngineGreeted(1, vllm_version="0.33.0"))
+    assert "different vLLM versions" not in driver.log_text()
+    driver.feed(EngineGreeted(2, vllm_version="0.32.0"))
+    driver.feed(EngineGreeted(2, vllm_version="0.31.0"))
+    state = driver.core.group_state(driver.now)
+    assert [e.vllm_version for e in state.engines] == ["0.33.0", "0.33.0", "0.31.0"]
+    text = driver.log_text()
+    assert text.count("different vLLM versions") == 1
+    assert "0.33.0 on dp_rank 0, 1; 0.32.0 on dp_rank 2" in text
+    # A rank that never named one shows none (nil, the tenth element on the wire).
+    quiet = group()
+    state = quiet.core.group_state(quiet.now)
+    assert [e.vllm_version for e in state.engines] == [None, None]
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(state.engines[0]))[9] is None
 
 
 # ---- elastic resize ------------------------------------------------------------------------

@@ -199,7 +199,7 @@ def test_group_state_to_builtins_names_every_engine_field() -> None:
     assert data["engines"][1] == {
         "rank": 5, "state": "dead", "engine_id": None, "waiting": 0, "running": 0,
         "kv_cache_usage": 0.0, "dispatched_since_report": 0, "in_flight": 0,
-        "last_seen_age_s": None,
+        "last_seen_age_s": None, "vllm_version": None,
     }
     assert data["engines"][0]["rank"] == 4 and data["engines"][0]["last_seen_age_s"] == 0.25
     assert {k: v for k, v in data.items() if k != "engines"} == {

@@ -1003,8 +1003,8 @@ def test_bad_front_publishes_are_refused(payload: Any) -> None:
         ([1, 3], LegacyFirstRequest(1, 3)),
         ([0, 0], LegacyFirstRequest(0, 0)),
         ([65535, 2**32 - 1], LegacyFirstRequest(65535, 2**32 - 1)),
-        ([b"\x01\x00", 3], LegacyFirstRequest(1, 3)),  # identity bytes, as some versions sent
-        ([b"\x02\x01", 0], LegacyFirstRequest(258, 0)),
+        ([b"\x01\x00", 3], LegacyFirstRequest(1, 3, True)),  # identity bytes, as some versions sent
+        ([b"\x02\x01", 0], LegacyFirstRequest(258, 0, True)),
     ],
 )
 def test_front_upstream_messages(payload: Any, expected: Any) -> None:
@@ -1308,3 +1308,21 @@ def test_publish_rows_encode_as_the_general_encoder_does(
 def test_publish_rows_refuse_a_wave_out_of_range() -> None:
     with pytest.raises(ValueError):
         protocol.encode_front_publish_rows([], MAX_WAVE + 1, False)
+
+
+def test_the_greetings_vllm_version_is_read_and_never_raises() -> None:
+    from coordinator.protocol.vllm import decode_greeting_version
+
+    greeting = encode_greeting_for_version_test("0.32.0")
+    assert decode_greeting_version(greeting) == "0.32.0"
+    assert decode_greeting_version(msgspec.msgpack.encode({"vllm_version": "9" * 100})) == (
+        "9" * 64)
+    assert decode_greeting_version(msgspec.msgpack.encode({"vllm_version": 3})) is None
+    assert decode_greeting_version(msgspec.msgpack.encode({"block_size": 16})) is None
+    assert decode_greeting_version(b"") is None
+    assert decode_greeting_version(b"\xc1") is None
+
+
+def encode_greeting_for_version_test(version: str) -> bytes:
+    return msgspec.msgpack.encode({"max_model_len": 4096, "block_size": 16,
+                                   "vllm_version": version, "data_parallel_rank": 1})

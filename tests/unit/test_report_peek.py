@@ -151,3 +151,14 @@ def test_what_is_not_stats_only() -> None:
     assert peek_engine_index(b"\x99\xcc\xff\x90") == 255
     assert peek_engine_index(b"\x99\xce\x00\x00\x00\x01") == -1  # wider than vLLM writes
     assert peek_engine_index(b"\x99\xff\x90") == -1  # negative fixint
+
+
+def test_stats_only_mark_reads_the_wave_and_the_step() -> None:
+    from coordinator.protocol.report_peek import stats_only_mark
+
+    assert stats_only_mark(stats_report(2, waiting=3, wave=7, step=41), 2) == (7, 41)
+    assert stats_only_mark(stats_report(2, wave=7, step=41), 3) is None
+    assert stats_only_mark(engine_outputs(3), 3) is None
+    assert stats_only_mark(engine_outputs(3, stats=scheduler_stats(), start_wave=1), 3) is None
+    assert stats_only_mark(engine_outputs(3, stats={"step_counter": "x"}), 3) is None
+    assert stats_only_mark(b"", 3) is None

@@ -11,6 +11,7 @@ greeting.
 from __future__ import annotations
 
 from coordinator.core.events import BadFrame, EngineGreeted
+from coordinator.protocol import vllm
 from coordinator.protocol.errors import ProtocolError
 from coordinator.protocol.identity import identity_to_rank
 from coordinator.protocol.kv_events import decode_greeting_kv
@@ -25,8 +26,9 @@ def decode(frames: list[bytes], conn: int = 0,
         rank = identity_to_rank(frames[0])
     except ProtocolError as exc:
         return BadFrame("dispatch", exc, frame_count=len(frames))
+    version = vllm.decode_greeting_version(frames[1]) if len(frames) == 2 else None
     try:
         kv = decode_greeting_kv(frames[1]) if len(frames) == 2 else None
     except ProtocolError:
-        return EngineGreeted(rank, conn, None, peer, kv_unreadable=True)
-    return EngineGreeted(rank, conn, kv, peer)
+        return EngineGreeted(rank, conn, None, peer, kv_unreadable=True, vllm_version=version)
+    return EngineGreeted(rank, conn, kv, peer, vllm_version=version)
