@@ -251,6 +251,13 @@ class CoordinatorServer:
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
+        self.remove_files()
+
+    def remove_files(self) -> None:
+        """Remove the ipc sockets, their directories and the address file.
+
+        Safe to call twice, and on its own for a forced exit that skips the rest of
+        close()."""
         for endpoint in self.addresses.values():
             if endpoint.startswith("ipc://"):
                 with contextlib.suppress(OSError):
@@ -325,6 +332,13 @@ class CoordinatorServer:
     def dump_recorder(self) -> None:
         """Log the whole flight recorder (SIGUSR1)."""
         self._feed(DUMP_RECORDER)
+
+    def reload_curve_clients(self) -> str:
+        """Re-read the CURVE client keys (SIGHUP); says what was reloaded."""
+        if self.curve is None:
+            return "nothing to reload (no CURVE client keys are in use)"
+        count = self.curve.reload_clients()
+        return f"reloaded {count} CURVE client keys from {self.curve.clients_dir}"
 
     def _feed(self, event: Event) -> None:
         self.feeders.feed(event)

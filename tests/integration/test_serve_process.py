@@ -80,3 +80,86 @@ def test_sigterm_right_after_the_address_file_appears_still_cleans_up(tmp_path: 
         assert not addr.exists()
         for endpoint in addresses.values():
             assert not os.path.exists(endpoint[len("ipc://"):])
+
+
+def serve_in_own_group(*args: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "coordinator", "serve", *args],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+
+
+def stops_cleanly(proc: subprocess.Popen[bytes], addr: Path, addresses: dict[str, str]) -> str:
+    _, err = proc.communicate(timeout=60)
+    stderr = err.decode()
+    assert proc.returncode == 0, stderr
+    assert "Traceback" not in stderr, stderr
+    assert not addr.exists()
+    for endpoint in addresses.values():
+        assert not os.path.exists(endpoint[len("ipc://"):])
+    assert not os.path.exists(os.path.dirname(addresses["frontend"][len("ipc://"):]))
+    return stderr
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_second_stop_signal_during_shutdown_is_ignored(tmp_path: Path, signum: int) -> None:
+    for attempt in range(3):
+        addr = tmp_path / f"a{attempt}.json"
+        proc = serve("--engines", "1", "--addr-file", str(addr))
+        wait_for_file(addr, proc)
+        addresses = json.loads(addr.read_text())
+        proc.send_signal(signum)
+        proc.send_signal(signum)
+        stops_cleanly(proc, addr, addresses)
+
+
+def wait_for_line(proc: subprocess.Popen[bytes], text: bytes) -> bytes:
+    assert proc.stderr is not None
+    deadline = time.monotonic() + 30
+    seen = b""
+    while text not in seen:
+        assert time.monotonic() < deadline, seen.decode()
+        line = proc.stderr.readline()
+        assert line, f"stderr closed: exit {proc.wait(10)}: {seen.decode()}"
+        seen += line
+    return seen
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_second_stop_signal_during_cleanup_is_ignored(tmp_path: Path, signum: int) -> None:
+    """The window that killed it: after the loop ends, while sockets and files go."""
+    addr = tmp_path / "a.json"
+    proc = serve("--engines", "1", "--addr-file", str(addr))
+    wait_for_file(addr, proc)
+    addresses = json.loads(addr.read_text())
+    proc.send_signal(signum)
+    wait_for_line(proc, b"closing the sockets")
+    proc.send_signal(signum)
+    stops_cleanly(proc, addr, addresses)
+
+
+def test_timeout_style_signal_to_the_child_then_its_group(tmp_path: Path) -> None:
+    """GNU timeout signals the child, then the whole group."""
+    for attempt in range(3):
+        addr = tmp_path / f"a{attempt}.json"
+        proc = serve_in_own_group("--engines", "1", "--addr-file", str(addr))
+        wait_for_file(addr, proc)
+        addresses = json.loads(addr.read_text())
+        os.kill(proc.pid, signal.SIGTERM)
+        os.killpg(proc.pid, signal.SIGTERM)
+        stops_cleanly(proc, addr, addresses)
+
+
+def test_sighup_keeps_serving_and_says_so(tmp_path: Path) -> None:
+    addr = tmp_path / "a.json"
+    proc = serve("--engines", "1", "--addr-file", str(addr))
+    wait_for_file(addr, proc)
+    addresses = json.loads(addr.read_text())
+    proc.send_signal(signal.SIGHUP)
+    seen = wait_for_line(proc, b"SIGHUP received")
+    assert b"nothing to reload" in seen
+    assert proc.poll() is None
+    assert addr.exists()
+    proc.send_signal(signal.SIGTERM)
+    stops_cleanly(proc, addr, addresses)
