@@ -59,7 +59,7 @@ from coordinator.protocol import vllm
 from coordinator.protocol.addresses import SOCKET_KEYS
 from coordinator.server.config import ServerConfig
 from coordinator.server.connections import PeerConnections
-from coordinator.server.curve import CurveServer, load_client_keys
+from coordinator.server.curve import CurveKeyError, CurveServer, load_client_keys
 from coordinator.server.feeders import Feeders
 from coordinator.server.http import HttpEndpoints
 from coordinator.server.meeting_point import build_parallel_config
@@ -180,8 +180,12 @@ class CoordinatorServer:
                 max_message_bytes=cfg.max_message_bytes("kv_events"),
                 on_error=self._handler_failed)
         if cfg.curve_secret_key is not None and cfg.curve_clients_dir is not None:
-            self.curve = CurveServer(self._ctx, cfg.curve_secret_key, cfg.curve_clients_dir,
-                                     admin_dir=cfg.admin_keys_dir)
+            try:
+                self.curve = CurveServer(self._ctx, cfg.curve_secret_key,
+                                         cfg.curve_clients_dir, admin_dir=cfg.admin_keys_dir)
+            except ValueError as exc:
+                self.close()
+                raise CurveKeyError(str(exc)) from None
             self.curve.start()
         try:
             for index, (key, kind, options) in enumerate(socket_specs(cfg)):
@@ -201,6 +205,11 @@ class CoordinatorServer:
         except (zmq.ZMQError, OSError):
             self.close()
             raise
+        if self.curve is not None and not any(
+                address.startswith("tcp://") for address in self.addresses.values()):
+            log.warning("CURVE keys were given but every socket is on ipc://, where CURVE "
+                        "is not used: the keys protect nothing here (file permissions "
+                        "guard ipc sockets); bind tcp with --host to use them")
         engine_facing = {key: self.addresses[key] for key in SOCKET_KEYS}
         self._feed(Bound(engine_facing, build_parallel_config(cfg)))
         if cfg.state_file is not None:

@@ -163,3 +163,55 @@ def test_sighup_keeps_serving_and_says_so(tmp_path: Path) -> None:
     assert addr.exists()
     proc.send_signal(signal.SIGTERM)
     stops_cleanly(proc, addr, addresses)
+
+
+@pytest.fixture(scope="module")
+def curve_keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    keys = tmp_path_factory.mktemp("keys")
+    for name in ("coordinator", "client"):
+        subprocess.run([sys.executable, "-m", "coordinator", "keygen", "--dir", str(keys),
+                        "--name", name], check=True, capture_output=True, timeout=60)
+    clients = keys / "clients"
+    clients.mkdir()
+    (clients / "client.key").write_bytes((keys / "client.key").read_bytes())
+    (keys / "garbage.key_secret").write_text("this is not a key file\n")
+    return keys
+
+
+@pytest.mark.parametrize(
+    ("secret", "clients", "message"),
+    [
+        ("missing.key_secret", "clients", "cannot read key file"),
+        ("coordinator.key", "clients", "holds only a public key"),
+        ("garbage.key_secret", "clients", "garbage.key_secret"),
+        ("coordinator.key_secret", "no-such-dir", "does not exist"),
+    ],
+)
+def test_curve_key_problems_are_one_line_and_exit_2(
+        curve_keys: Path, secret: str, clients: str, message: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "coordinator", "serve", "--engines", "1", "--host", "127.0.0.1",
+         "--curve-secret-key", str(curve_keys / secret),
+         "--curve-clients-dir", str(curve_keys / clients)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and message in errors[0], result.stderr
+
+
+def test_curve_keys_on_ipc_only_and_a_readable_secret_key_are_warned_about(
+        curve_keys: Path, tmp_path: Path) -> None:
+    secret = tmp_path / "coordinator.key_secret"
+    secret.write_bytes((curve_keys / "coordinator.key_secret").read_bytes())
+    secret.chmod(0o644)
+    addr = tmp_path / "a.json"
+    proc = serve("--engines", "1", "--addr-file", str(addr), "--curve-secret-key", str(secret),
+                 "--curve-clients-dir", str(curve_keys / "clients"))
+    wait_for_file(addr, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err.decode()
+    assert b"can be read by its group or by everyone" in err
+    assert b"protect nothing" in err
