@@ -103,6 +103,10 @@ def core_config(cfg: ServerConfig, admin_keys: frozenset[str] = frozenset()) -> 
     )
 
 
+class AddressFileError(Exception):
+    """The address file cannot be written (a configuration error)."""
+
+
 class CoordinatorServer:
     """Owns the sockets of one coordinator process and feeds its core."""
 
@@ -193,10 +197,14 @@ class CoordinatorServer:
                 endpoint = cfg.bind_overrides.get(key) or make_endpoint(
                     key, host=cfg.host, ipc_dir=ipc_dir, port=port
                 )
-                sock, resolved = bind_socket(
-                    self._ctx, kind, endpoint, max_message_bytes=cfg.max_message_bytes(key),
-                    options=options, configure=self._configurer(key, endpoint),
-                )
+                try:
+                    sock, resolved = bind_socket(
+                        self._ctx, kind, endpoint, max_message_bytes=cfg.max_message_bytes(key),
+                        options=options, configure=self._configurer(key, endpoint),
+                    )
+                except zmq.ZMQError as exc:
+                    raise zmq.ZMQError(exc.errno, f"socket {key} on {endpoint}: "
+                                                  f"{exc.strerror}") from None
                 self._sockets[key] = sock
                 self.addresses[key] = resolved
             admin, self.addresses["admin"], self._admin_dir = bind_admin(
@@ -222,7 +230,12 @@ class CoordinatorServer:
             self.http = HttpEndpoints(cfg.metrics_host, cfg.metrics_port, clock=self.clock)
             self.http.start()  # logs its URL
         if cfg.addr_file:
-            write_address_file(cfg.addr_file, self.addresses)
+            try:
+                write_address_file(cfg.addr_file, self.addresses)
+            except OSError as exc:
+                self.close()
+                raise AddressFileError(f"cannot write the address file {cfg.addr_file}: "
+                                       f"{exc.strerror or exc}") from None
         return dict(self.addresses)
 
     def _configurer(self, key: str, endpoint: str) -> Callable[[zmq.Socket[bytes]], None]:

@@ -11,7 +11,7 @@ import sys
 import zmq
 
 from coordinator._zmq import run_loop
-from coordinator.server.app import CoordinatorServer
+from coordinator.server.app import AddressFileError, CoordinatorServer
 from coordinator.server.config import ServerConfig
 from coordinator.server.curve import CurveKeyError
 from coordinator.server.fdlimit import ensure_descriptors
@@ -72,6 +72,11 @@ def run_server(config: ServerConfig, *, print_addresses: bool = True) -> int:
         server.close()
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
         return EXIT_FATAL
+    except AddressFileError as exc:
+        log.error("%s", exc)
+        server.close()
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+        return EXIT_CONFIG
     except CurveKeyError as exc:
         log.error("bad CURVE keys: %s", exc)
         server.close()

@@ -215,3 +215,53 @@ def test_curve_keys_on_ipc_only_and_a_readable_secret_key_are_warned_about(
     assert proc.returncode == 0, err.decode()
     assert b"can be read by its group or by everyone" in err
     assert b"protect nothing" in err
+
+
+def one_error_line(*args: str) -> tuple[int, str]:
+    result = subprocess.run(
+        [sys.executable, "-m", "coordinator", "serve", "--engines", "1", *args],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1, result.stderr
+    return result.returncode, errors[0]
+
+
+def test_an_unwritable_address_file_directory_is_named_as_the_cause(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-dir" / "a.json"
+    code, error = one_error_line("--addr-file", str(missing))
+    assert code == 2
+    assert "could not bind" not in error
+    assert f"cannot write the address file {missing}" in error, error
+
+
+def test_an_unresolvable_host_is_said_not_to_resolve() -> None:
+    code, error = one_error_line("--host", "no-such-host.invalid")
+    assert code == 2
+    assert "does not resolve" in error and "CURVE" not in error, error
+
+
+def test_a_taken_port_names_its_socket() -> None:
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, error = one_error_line("--host", "127.0.0.1",
+                                     "--bind", f"dispatch=tcp://127.0.0.1:{port}")
+    assert code == 1
+    assert f"socket dispatch on tcp://127.0.0.1:{port}" in error, error
+
+
+def test_sigusr1_dumps_the_recorder_at_info(tmp_path: Path) -> None:
+    addr = tmp_path / "a.json"
+    proc = serve("--engines", "1", "--addr-file", str(addr))
+    wait_for_file(addr, proc)
+    addresses = json.loads(addr.read_text())
+    proc.send_signal(signal.SIGUSR1)
+    seen = wait_for_line(proc, b"flight recorder:")
+    line = next(line for line in seen.splitlines() if b"flight recorder:" in line)
+    assert b" INFO " in line, line
+    proc.send_signal(signal.SIGTERM)
+    stops_cleanly(proc, addr, addresses)
