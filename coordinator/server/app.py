@@ -67,7 +67,7 @@ from coordinator.server.observe import DecisionTimes, ObservedPusher, ObservedSt
 from coordinator.server.planes.kv_events import KVEventsPlane, kv_action_runners
 from coordinator.server.sending import poke_if_readable, send_add, send_frames, send_routed
 from coordinator.server.sockets import bind_admin, binds_tcp, socket_specs
-from coordinator.server.statefile import load_state, save_state
+from coordinator.server.statefile import check_writable, load_state, save_state
 from coordinator.server.stats_reader import StatsReader
 from coordinator.server.timers import CoreTimer
 from coordinator.server.transport import (
@@ -167,6 +167,8 @@ class CoordinatorServer:
     def bind(self) -> dict[str, str]:
         """Bind all six sockets, then write the address file; return the endpoints."""
         cfg = self.config
+        if cfg.state_file is not None:
+            check_writable(cfg.state_file)  # before anything is bound or announced
         if cfg.host is None:
             if cfg.ipc_dir is not None:
                 os.makedirs(cfg.ipc_dir, exist_ok=True)

@@ -265,3 +265,17 @@ def test_sigusr1_dumps_the_recorder_at_info(tmp_path: Path) -> None:
     assert b" INFO " in line, line
     proc.send_signal(signal.SIGTERM)
     stops_cleanly(proc, addr, addresses)
+
+
+@pytest.mark.parametrize("where", ["missing-dir", "a-directory", "proc"])
+def test_an_unusable_state_file_is_refused_at_start_up(tmp_path: Path, where: str) -> None:
+    path = {
+        "missing-dir": tmp_path / "no-such-dir" / "state.json",
+        "a-directory": tmp_path,
+        "proc": Path("/proc/dpc-state.json"),  # no one, root included, creates files there
+    }[where]
+    addr = tmp_path / "a.json"
+    code, error = one_error_line("--state-file", str(path), "--addr-file", str(addr))
+    assert code == 2
+    assert str(path) in error and "state file" in error, error
+    assert not addr.exists(), "it never reported ready"
