@@ -64,6 +64,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     run = _COMMANDS.get(args.command)
     if run is None:
+        # No default command: serve needs flags, demo runs a load for a while.
         parser.print_help(sys.stderr)
+        print("\ndp-coordinator: error: give a COMMAND (try `dp-coordinator demo` for a "
+              "simulated group, or `dp-coordinator serve --help`)", file=sys.stderr)
         return 2
     return run(args)

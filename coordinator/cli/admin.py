@@ -7,10 +7,11 @@ drain     like cordon, and (with --wait) waits until its last request finished
 They are the frontend protocol's `admin` message, and they change membership, so
 the coordinator takes them only from an operator: by default they go to its
 `admin` socket (ipc, owner-only: run them on the coordinator's host as its user),
-found through the address file; with CURVE keys (`--curve-secret-key`) they go to
-the `frontend` socket, where the key must be listed in the coordinator's
-`--admin-keys-dir`. The coordinator answers with the rank's new state or says why
-it refused.
+found through the address file (without `--addr-file`, the one coordinator
+vLLM's plugin started on this host, as for `status`); with CURVE keys
+(`--curve-secret-key`) they go to the `frontend` socket, where the key must be
+listed in the coordinator's `--admin-keys-dir`. The coordinator answers with the
+rank's new state or says why it refused.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from coordinator.cli.common import (
     StateQuery,
     StatusError,
     add_curve_client_arguments,
+    discover_addr_file,
     read_frontend_address,
 )
 from coordinator.protocol import frontend as fp
@@ -67,8 +69,9 @@ def add_admin_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     for command, text in helps.items():
         p = sub.add_parser(command, help=text, description=text[0].upper() + text[1:] + ".")
         p.add_argument("rank", type=int, help="the global DP rank")
-        p.add_argument("--addr-file", required=True, metavar="F",
-                       help="the coordinator's address file")
+        p.add_argument("--addr-file", default=None, metavar="F",
+                       help="the coordinator's address file (default: find the coordinator "
+                       "vLLM's plugin started on this host, as status and top do)")
         p.add_argument("--timeout", type=float, default=5.0,
                        help="seconds to wait for the coordinator's answer (default 5)")
         if command == "drain":
@@ -96,7 +99,7 @@ def run_admin(args: argparse.Namespace) -> int:
     # With keys, the frontend socket (tcp, CURVE); without, the owner-only admin socket.
     key = "frontend" if args.curve_secret_key is not None else "admin"
     try:
-        address = read_frontend_address(args.addr_file, key)
+        address = read_frontend_address(args.addr_file or discover_addr_file(), key)
         check_reachable(address)
         client = AdminClient(address, curve_secret_key=args.curve_secret_key,
                              curve_server_key=args.curve_server_key)

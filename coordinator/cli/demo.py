@@ -384,7 +384,7 @@ async def _main(args: argparse.Namespace, console: Console, result: DemoResult,
 def add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "demo",
-        help="run a coordinator with simulated engines under load (the default main job)",
+        help="run a coordinator with simulated engines under load (what `make demo` runs)",
         description="Start a coordinator, N simulated lockstep engines and a load generator "
         "with several frontends; show a live view of every rank, then a summary: requests "
         "completed and lost, waves, balance ratio and first-request wake latency.",

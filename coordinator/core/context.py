@@ -432,6 +432,6 @@ class CoreContext:
     def _send_failed_log(self, socket: SocketName, identity: bytes) -> None:
         # Keyed by socket only: peers choose their identities, and a key per identity
         # would give every new one a line of its own.
-        self._log(WARNING, "could not send on %s to %r (peer gone or queue full)", socket,
-                  identity, key=f"send:{socket}")
+        self._log(WARNING, "could not send on %s to %s (peer gone or queue full)", socket,
+                  identity.hex(), key=f"send:{socket}")
 

@@ -299,7 +299,7 @@ class CoordinatorCore(EngineRules, FrontendRules):
 
     def _on_dump_recorder(self, event: DumpRecorder, now: float) -> None:
         for line in self.recorder.format_lines(None, now=now):
-            self._log(WARNING, "%s", line)
+            self._log(INFO, "%s", line)
 
     def _on_bad_frame(self, event: BadFrame, now: float) -> None:
         error, socket = event.error, event.socket

@@ -59,7 +59,7 @@ from coordinator.protocol import vllm
 from coordinator.protocol.addresses import SOCKET_KEYS
 from coordinator.server.config import ServerConfig
 from coordinator.server.connections import PeerConnections
-from coordinator.server.curve import CurveServer, load_client_keys
+from coordinator.server.curve import CurveKeyError, CurveServer, load_client_keys
 from coordinator.server.feeders import Feeders
 from coordinator.server.http import HttpEndpoints
 from coordinator.server.meeting_point import build_parallel_config
@@ -67,7 +67,7 @@ from coordinator.server.observe import DecisionTimes, ObservedPusher, ObservedSt
 from coordinator.server.planes.kv_events import KVEventsPlane, kv_action_runners
 from coordinator.server.sending import poke_if_readable, send_add, send_frames, send_routed
 from coordinator.server.sockets import bind_admin, binds_tcp, socket_specs
-from coordinator.server.statefile import load_state, save_state
+from coordinator.server.statefile import check_writable, load_state, save_state
 from coordinator.server.stats_reader import StatsReader
 from coordinator.server.timers import CoreTimer
 from coordinator.server.transport import (
@@ -102,6 +102,10 @@ def core_config(cfg: ServerConfig, admin_keys: frozenset[str] = frozenset()) -> 
         frontend_lease_ttl_s=cfg.frontend_lease_ttl_s,
         kv=cfg.kv_settings(), prefix_slack_tokens=cfg.prefix_slack_tokens,
     )
+
+
+class AddressFileError(Exception):
+    """The address file cannot be written (a configuration error)."""
 
 
 class CoordinatorServer:
@@ -164,6 +168,8 @@ class CoordinatorServer:
     def bind(self) -> dict[str, str]:
         """Bind all six sockets, then write the address file; return the endpoints."""
         cfg = self.config
+        if cfg.state_file is not None:
+            check_writable(cfg.state_file)  # before anything is bound or announced
         if cfg.host is None:
             if cfg.ipc_dir is not None:
                 os.makedirs(cfg.ipc_dir, exist_ok=True)
@@ -181,8 +187,12 @@ class CoordinatorServer:
                 max_message_bytes=cfg.max_message_bytes("kv_events"),
                 on_error=self._handler_failed)
         if cfg.curve_secret_key is not None and cfg.curve_clients_dir is not None:
-            self.curve = CurveServer(self._ctx, cfg.curve_secret_key, cfg.curve_clients_dir,
-                                     admin_dir=cfg.admin_keys_dir)
+            try:
+                self.curve = CurveServer(self._ctx, cfg.curve_secret_key,
+                                         cfg.curve_clients_dir, admin_dir=cfg.admin_keys_dir)
+            except ValueError as exc:
+                self.close()
+                raise CurveKeyError(str(exc)) from None
             self.curve.start()
         try:
             for index, (key, kind, options) in enumerate(socket_specs(cfg)):
@@ -190,10 +200,14 @@ class CoordinatorServer:
                 endpoint = cfg.bind_overrides.get(key) or make_endpoint(
                     key, host=cfg.host, ipc_dir=ipc_dir, port=port
                 )
-                sock, resolved = bind_socket(
-                    self._ctx, kind, endpoint, max_message_bytes=cfg.max_message_bytes(key),
-                    options=options, configure=self._configurer(key, endpoint),
-                )
+                try:
+                    sock, resolved = bind_socket(
+                        self._ctx, kind, endpoint, max_message_bytes=cfg.max_message_bytes(key),
+                        options=options, configure=self._configurer(key, endpoint),
+                    )
+                except zmq.ZMQError as exc:
+                    raise zmq.ZMQError(exc.errno, f"socket {key} on {endpoint}: "
+                                                  f"{exc.strerror}") from None
                 self._sockets[key] = sock
                 self.addresses[key] = resolved
             admin, self.addresses["admin"], self._admin_dir = bind_admin(
@@ -202,6 +216,11 @@ class CoordinatorServer:
         except (zmq.ZMQError, OSError):
             self.close()
             raise
+        if self.curve is not None and not any(
+                address.startswith("tcp://") for address in self.addresses.values()):
+            log.warning("CURVE keys were given but every socket is on ipc://, where CURVE "
+                        "is not used: the keys protect nothing here (file permissions "
+                        "guard ipc sockets); bind tcp with --host to use them")
         engine_facing = {key: self.addresses[key] for key in SOCKET_KEYS}
         self._feed(Bound(engine_facing, build_parallel_config(cfg)))
         if cfg.state_file is not None:
@@ -214,7 +233,12 @@ class CoordinatorServer:
             self.http = HttpEndpoints(cfg.metrics_host, cfg.metrics_port, clock=self.clock)
             self.http.start()  # logs its URL
         if cfg.addr_file:
-            write_address_file(cfg.addr_file, self.addresses)
+            try:
+                write_address_file(cfg.addr_file, self.addresses)
+            except OSError as exc:
+                self.close()
+                raise AddressFileError(f"cannot write the address file {cfg.addr_file}: "
+                                       f"{exc.strerror or exc}") from None
         return dict(self.addresses)
 
     def _configurer(self, key: str, endpoint: str) -> Callable[[zmq.Socket[bytes]], None]:
@@ -252,6 +276,13 @@ class CoordinatorServer:
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
+        self.remove_files()
+
+    def remove_files(self) -> None:
+        """Remove the ipc sockets, their directories and the address file.
+
+        Safe to call twice, and on its own for a forced exit that skips the rest of
+        close()."""
         for endpoint in self.addresses.values():
             if endpoint.startswith("ipc://"):
                 with contextlib.suppress(OSError):
@@ -326,6 +357,13 @@ class CoordinatorServer:
     def dump_recorder(self) -> None:
         """Log the whole flight recorder (SIGUSR1)."""
         self._feed(DUMP_RECORDER)
+
+    def reload_curve_clients(self) -> str:
+        """Re-read the CURVE client keys (SIGHUP); says what was reloaded."""
+        if self.curve is None:
+            return "nothing to reload (no CURVE client keys are in use)"
+        count = self.curve.reload_clients()
+        return f"reloaded {count} CURVE client keys from {self.curve.clients_dir}"
 
     def _feed(self, event: Event) -> None:
         self.feeders.feed(event)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import ipaddress
+import socket
 from dataclasses import dataclass, field
 
 from coordinator.core.kv_plane import KVSettings
 from coordinator.core.router import PREFIX_POLICY
-from coordinator.protocol.addresses import SOCKET_KEYS, check_bind_safety
+from coordinator.protocol.addresses import SOCKET_KEYS, bind_host, check_bind_safety
 from coordinator.protocol.identity import MAX_RANK
 from coordinator.protocol.kv_events import subscription_for
 from coordinator.server.transport import (
@@ -188,6 +190,8 @@ class ServerConfig:
         if self.watchdog_stall_s < 0:
             raise ValueError(f"--watchdog-stall-s must be >= 0, got {self.watchdog_stall_s}")
         self._validate_kv()
+        if self.host is not None:
+            check_host_resolves(self.host)
         check_bind_safety(
             self.host, has_keys=self.curve_secret_key is not None, insecure=self.insecure
         )
@@ -212,3 +216,27 @@ class ServerConfig:
                     subscription_for(endpoint, rank, replay=flag != "--kv-events-endpoint")
             except ValueError as exc:
                 raise ValueError(f"{flag} {endpoint}: {exc}") from None
+
+
+def check_host_resolves(host: str) -> None:
+    """ValueError when ``--host`` is neither an address, ``*``, an interface nor a name
+    that resolves: said as such, not as some later bind or safety refusal."""
+    tcp_host = bind_host(host)
+    if tcp_host is None or tcp_host == "*":
+        return
+    try:
+        ipaddress.ip_address(tcp_host)
+        return
+    except ValueError:
+        pass
+    try:
+        if tcp_host in {name for _, name in socket.if_nameindex()}:
+            return  # ZeroMQ binds an interface by its name
+    except OSError:
+        pass
+    try:
+        socket.getaddrinfo(tcp_host, None)
+    except (socket.gaierror, UnicodeError) as exc:
+        reason = exc.strerror if isinstance(exc, socket.gaierror) else str(exc)
+        raise ValueError(f"--host {host!r} does not resolve ({reason}): give an address, "
+                         "a name this host can resolve, or an interface name") from None

@@ -30,6 +30,10 @@ DEFAULT_ZAP_DOMAIN: Final = "dp-coordinator"
 REFUSED_UNKNOWN_KEY: Final = "unknown_key"
 
 
+class CurveKeyError(ValueError):
+    """The CURVE key files cannot be used: a configuration error, reported in one line."""
+
+
 def load_client_keys(directory: str) -> frozenset[bytes]:
     """Every allowed client public key (``*.key`` files) in ``directory``."""
     if not os.path.isdir(directory):
@@ -39,6 +43,18 @@ def load_client_keys(directory: str) -> frozenset[bytes]:
         if entry.endswith(".key"):
             keys.add(load_public_key(os.path.join(directory, entry)))
     return frozenset(keys)
+
+
+def warn_if_readable_by_others(secret_key_file: str) -> None:
+    """A secret key others can read authenticates them as the coordinator."""
+    try:
+        mode = os.stat(secret_key_file).st_mode
+    except OSError:
+        return
+    if mode & 0o077:
+        log.warning("the CURVE secret key %s can be read by its group or by everyone "
+                    "(mode %o): anyone who reads it can pose as the coordinator; "
+                    "chmod 600 it", secret_key_file, mode & 0o777)
 
 
 class _KeyCheck:
@@ -86,6 +102,7 @@ class CurveServer:
         self.admin_dir = admin_dir
         self.domain = domain
         self.public_key, self._secret_key = load_secret_key(secret_key_file)
+        warn_if_readable_by_others(secret_key_file)
         allowed = self._load_allowed()
         if not allowed:
             raise ValueError(

@@ -11,14 +11,16 @@ import sys
 import zmq
 
 from coordinator._zmq import run_loop
-from coordinator.server.app import CoordinatorServer
+from coordinator.server.app import AddressFileError, CoordinatorServer
 from coordinator.server.config import ServerConfig
+from coordinator.server.curve import CurveKeyError
 from coordinator.server.fdlimit import ensure_descriptors
+from coordinator.server.signals import HANDLED, ProcessSignals
 from coordinator.server.statefile import StateFileError
 
 log = logging.getLogger("coordinator.server")
 
-STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1}
+STOP_SIGNALS = HANDLED
 
 EXIT_OK = 0
 EXIT_FATAL = 1
@@ -33,27 +35,16 @@ def configure_logging(level: str) -> None:
     )
 
 
-async def serve_until_signal(server: CoordinatorServer) -> int:
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-
-    def request_stop(signame: str) -> None:
-        if not stop.is_set():
-            log.info("%s received; shutting down", signame)
-        stop.set()
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, request_stop, signal.Signals(signum).name)
+async def serve_until_signal(server: CoordinatorServer, signals: ProcessSignals) -> int:
+    signals.install_on_loop(asyncio.get_running_loop())
     # Signals were blocked since before bind(); one that came meanwhile is delivered
     # now, to the handlers above, so an early SIGTERM still cleans up.
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
-    # SIGUSR1 dumps the flight recorder to the log, for a look at a live process.
-    loop.add_signal_handler(signal.SIGUSR1, server.dump_recorder)
     try:
-        await server.serve(stop)
+        await server.serve(signals.stop)
     finally:
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
-            loop.remove_signal_handler(signum)
+        # Cleanup runs after the loop is gone: keep handling signals until it ends.
+        signals.hand_over_from_loop()
     return EXIT_OK
 
 
@@ -81,6 +72,16 @@ def run_server(config: ServerConfig, *, print_addresses: bool = True) -> int:
         server.close()
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
         return EXIT_FATAL
+    except AddressFileError as exc:
+        log.error("%s", exc)
+        server.close()
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+        return EXIT_CONFIG
+    except CurveKeyError as exc:
+        log.error("bad CURVE keys: %s", exc)
+        server.close()
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+        return EXIT_CONFIG
     except StateFileError as exc:
         log.error("%s", exc)
         server.close()
@@ -98,11 +99,13 @@ def run_server(config: ServerConfig, *, print_addresses: bool = True) -> int:
         log.info("  %-13s %s", key, address)
     if print_addresses:
         print(json.dumps(addresses, sort_keys=True), flush=True)
+    signals = ProcessSignals(server)
     try:
-        return run_loop(serve_until_signal(server), config.loop)
+        return run_loop(serve_until_signal(server, signals), config.loop)
     except Exception:
         log.exception("coordinator failed")
         return EXIT_FATAL
     finally:
+        log.info("closing the sockets and removing the address file and ipc sockets")
         server.close()
         log.info("coordinator stopped")

@@ -15,7 +15,8 @@ import msgspec
 
 from coordinator.core.persisted import STATE_VERSION, SavedState
 
-__all__ = ["STATE_VERSION", "SavedState", "StateFileError", "load_state", "save_state"]
+__all__ = ["STATE_VERSION", "SavedState", "StateFileError", "check_writable", "load_state",
+           "save_state"]
 
 
 class StateFileError(RuntimeError):
@@ -45,6 +46,27 @@ def save_state(path: str, state: SavedState, *, durable: bool = False) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def check_writable(path: str) -> None:
+    """StateFileError unless `save_state` can write `path`: said at start-up, not at
+    the first save (a state file that cannot be written protects nothing)."""
+    directory = os.path.dirname(os.path.abspath(path)) or "."
+    if os.path.isdir(path):
+        raise StateFileError(f"cannot use the state file {path}: it is a directory")
+    if not os.path.isdir(directory):
+        raise StateFileError(f"cannot write the state file {path}: its directory "
+                             f"{directory} does not exist")
+    try:
+        # What save_state does: a temporary file beside it, renamed over it.
+        fd, tmp = tempfile.mkstemp(prefix=".state-", dir=directory)
+    except OSError as exc:
+        raise StateFileError(f"cannot write the state file {path}: cannot create files in "
+                             f"{directory} ({exc.strerror or exc})") from None
+    os.close(fd)
+    os.unlink(tmp)
+    if os.path.exists(path) and not os.access(path, os.R_OK):
+        raise StateFileError(f"cannot read the state file {path}: permission denied")
 
 
 def load_state(path: str) -> SavedState | None:

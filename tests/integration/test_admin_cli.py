@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import msgspec
 import zmq
@@ -79,3 +82,36 @@ def test_admin_without_a_coordinator_says_so(tmp_path: object) -> None:
     missing = admin("cordon", "0", "--addr-file", "/nonexistent/addresses.json")
     assert missing.returncode == 2
     assert "dp-coordinator cordon" in missing.stderr
+
+
+def test_admin_finds_the_coordinator_without_addr_file_as_status_does(tmp_path: Path) -> None:
+    base = tmp_path / "rpc"
+    base.mkdir()
+    addr = base / "dp-coordinator-test.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "coordinator", "serve", "--engines", "1",
+         "--addr-file", str(addr)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not addr.exists():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.01)
+        done = subprocess.run([sys.executable, "-m", "coordinator", "cordon", "0"],
+                              capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "VLLM_RPC_BASE_PATH": str(base)})
+        # Nobody holds rank 0: the coordinator was found and refused with a reason.
+        assert done.returncode == 1, done.stderr
+        assert "refused" in done.stderr, done.stderr
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0
+
+
+def test_no_command_says_to_give_one_and_help_does_not_promise_a_default() -> None:
+    done = subprocess.run([sys.executable, "-m", "coordinator"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "give a COMMAND" in done.stderr
+    assert "default main job" not in done.stderr

@@ -129,6 +129,8 @@ def test_explicit_dp_rank_that_is_unreachable_is_refused_not_moved() -> None:
                                            "dp_rank=1 is not connected on dispatch")
     assert driver.adds(0) == [] and len(driver.core.requests) == 0
     assert "could not send on dispatch" in driver.log_text()
+    # Identities are bytes a peer chose: logged as hex, not as a bytes repr.
+    assert f"to {rank_to_identity(1).hex()} (peer gone" in driver.log_text()
 
 
 def test_a_failed_dispatch_goes_to_the_next_best_rank_and_leaves_no_trace() -> None:

@@ -106,3 +106,22 @@ def test_every_row_of_the_demo_output_is_explained() -> None:
     for column in per_rank_header(output):
         assert column == "rank" or column in terms, column
     assert output.rstrip().splitlines()[-1] == "result: OK  lost = 0  hang = no"
+
+
+def test_the_license_the_metadata_names_is_in_the_repository() -> None:
+    assert 'license = "Apache-2.0"' in (REPO / "pyproject.toml").read_text(encoding="utf-8")
+    text = (REPO / "LICENSE").read_text(encoding="utf-8")
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text
+
+
+def test_every_markdown_file_the_docs_name_exists() -> None:
+    docs = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    missing = []
+    for doc in docs:
+        for name in re.findall(r"\b([A-Za-z_][\w-]*\.md)\b", doc.read_text(encoding="utf-8")):
+            found = [p for p in (doc.parent / name, REPO / name, REPO / "docs" / name)
+                     if p.exists()] or [p for p in REPO.rglob(name) if ".venv" not in p.parts]
+            if not found:
+                missing.append(f"{doc.name}: {name}")
+    assert missing == []
