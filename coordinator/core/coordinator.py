@@ -98,6 +98,9 @@ from coordinator.protocol.identity import identity_to_rank
 __all__ = ["CoordinatorCore", "CoreConfig"]
 
 SHUTDOWN_LINGER_MS = 500
+# ADDs acknowledged `submitted` but still queued for a slow engine: flushed for at
+# most this long at a clean shutdown, then dropped (the process must still exit).
+DISPATCH_FLUSH_LINGER_MS = 3_000
 _PROBES = (SendPurpose.PROBE_LEASE, SendPurpose.PROBE_HOLDER)
 
 
@@ -296,6 +299,7 @@ class CoordinatorCore(EngineRules, FrontendRules):
         # Give the goodbye messages a moment to leave; closing would drop them.
         self._out.append(SetLinger("frontend", SHUTDOWN_LINGER_MS))
         self._out.append(SetLinger("front_publish", SHUTDOWN_LINGER_MS))
+        self._out.append(SetLinger("dispatch", DISPATCH_FLUSH_LINGER_MS))
 
     def _on_dump_recorder(self, event: DumpRecorder, now: float) -> None:
         for line in self.recorder.format_lines(None, now=now):

@@ -82,6 +82,7 @@ This module does no IO and reads no clock.
 from __future__ import annotations
 
 from array import array
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
@@ -316,7 +317,7 @@ class _RankBlocks:
     __slots__ = ("by_hash", "refs")
 
     def __init__(self) -> None:
-        self.by_hash: dict[BlockHash, BlockKey] = {}
+        self.by_hash: OrderedDict[BlockHash, BlockKey] = OrderedDict()
         self.refs: dict[BlockKey, int] = {}
 
 
@@ -473,8 +474,9 @@ class PrefixIndex:
         return largest
 
     def _evict_oldest(self, rank: int, state: _RankBlocks) -> None:
-        engine_hash = next(iter(state.by_hash))
-        key = state.by_hash.pop(engine_hash)
+        # OrderedDict: O(1) at the front however many were deleted before
+        # (a plain dict's next(iter()) scans the deleted slots).
+        _, key = state.by_hash.popitem(last=False)
         self._total -= 1
         self._unref(rank, state, key)
         self.counters.evicted_at_cap += 1

@@ -35,7 +35,7 @@ No IO, no clock.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -121,7 +121,7 @@ class SessionPrompts:
 
     def __init__(self, max_bytes: int = 64 << 20) -> None:
         self.max_bytes = max_bytes
-        self._prompts: dict[str, PromptBlocks] = {}
+        self._prompts: OrderedDict[str, PromptBlocks] = OrderedDict()
         self._bytes = 0
 
     def __len__(self) -> int:
@@ -143,8 +143,7 @@ class SessionPrompts:
         if size > self.max_bytes:
             return
         while prompts and self._bytes + size > self.max_bytes:
-            oldest = next(iter(prompts))
-            self._bytes -= prompts.pop(oldest).nbytes
+            self._bytes -= prompts.popitem(last=False)[1].nbytes
         prompts[session] = blocks
         self._bytes += size
 

@@ -86,7 +86,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import compress
@@ -420,7 +420,7 @@ class SessionAffinity:
         if max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
         self.max_sessions = max_sessions
-        self._last: dict[str, int] = {}
+        self._last: OrderedDict[str, int] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._last)
@@ -429,7 +429,7 @@ class SessionAffinity:
         last = self._last
         last.pop(session, None)
         if len(last) >= self.max_sessions:
-            del last[next(iter(last))]
+            last.popitem(last=False)
         last[session] = rank
 
     def rank_for(self, session: str | None) -> int | None:

@@ -15,8 +15,10 @@ import msgspec
 
 from coordinator.core.persisted import STATE_VERSION, SavedState
 
-__all__ = ["STATE_VERSION", "SavedState", "StateFileError", "check_writable", "load_state",
-           "save_state"]
+__all__ = [
+    "STATE_VERSION", "SavedState", "StateFileError", "check_writable", "load_state",
+    "remove_stale_temps", "save_state",
+]
 
 
 class StateFileError(RuntimeError):
@@ -34,7 +36,7 @@ def save_state(path: str, state: SavedState, *, durable: bool = False) -> None:
     process being killed (the page cache outlives it) but not the machine dying.
     """
     directory = os.path.dirname(os.path.abspath(path)) or "."
-    fd, tmp = tempfile.mkstemp(prefix=".state-", dir=directory)
+    fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path), dir=directory)
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(_encoder.encode(state))
@@ -59,7 +61,7 @@ def check_writable(path: str) -> None:
                              f"{directory} does not exist")
     try:
         # What save_state does: a temporary file beside it, renamed over it.
-        fd, tmp = tempfile.mkstemp(prefix=".state-", dir=directory)
+        fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path), dir=directory)
     except OSError as exc:
         raise StateFileError(f"cannot write the state file {path}: cannot create files in "
                              f"{directory} ({exc.strerror or exc})") from None
@@ -69,8 +71,36 @@ def check_writable(path: str) -> None:
         raise StateFileError(f"cannot read the state file {path}: permission denied")
 
 
+def _temp_prefix(path: str) -> str:
+    # Named after the state file, so start-up removes only this file's leftovers
+    # even when other coordinators keep their state in the same directory.
+    return f".{os.path.basename(path)}.state-"
+
+
+def remove_stale_temps(path: str) -> list[str]:
+    """Remove what a write killed mid-way (kill -9) left beside `path`; the names removed.
+
+    Only at start-up, before this process writes: no write of ours is under way,
+    and a state file has one coordinator.
+    """
+    directory = os.path.dirname(os.path.abspath(path)) or "."
+    prefix = _temp_prefix(path)
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        if name.startswith(prefix):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(directory, name))
+                removed.append(name)
+    return removed
+
+
 def load_state(path: str) -> SavedState | None:
-    """The saved state, or None if there is no file yet."""
+    """The saved state, or None if there is no file yet; stale temporary files are removed."""
+    remove_stale_temps(path)
     try:
         with open(path, "rb") as handle:
             raw = handle.read()

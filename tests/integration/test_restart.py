@@ -206,3 +206,30 @@ def test_state_file_is_json_an_operator_can_read(
     assert saved["gate_open"] is True
     assert saved["leases"][0]["rank"] == 0
     assert saved["leases"][0]["state"] == "ready"
+
+
+def test_start_up_removes_temporary_files_a_killed_write_left_and_uses_the_state_file(
+    restartable: type[Restartable], zmq_ctx: Ctx
+) -> None:
+    coord = restartable(1)
+    handle = coord.start()
+    handshake_group(zmq_ctx, handle.addresses, [0], dp_size=1)
+    assert coord.state_file is not None
+    path = Path(coord.state_file)
+
+    def saved_leases() -> object:
+        return path.exists() and json.loads(path.read_text())["leases"]
+
+    wait_until(saved_leases, timeout=5.0)
+    coord.kill()
+    stale = path.parent / f".{path.name}.state-k9stale1"  # as mkstemp names them
+    stale.write_bytes(b'{"version": 1, "half wri')
+    other = path.parent / ".other.json.state-k9stale1"  # another coordinator's: left alone
+    other.write_bytes(b"x")
+    handle = coord.start()
+    wait_until(lambda: not stale.exists(), timeout=5.0)
+    assert other.exists()
+    frontend = RawFrontend(zmq_ctx, handle.addresses)
+    assert group_state(frontend)["wave"] == 0
+    # The state file was read, not replaced by an empty one: rank 0's lease is in it.
+    assert json.loads(path.read_text())["leases"][0]["rank"] == 0
