@@ -10,8 +10,10 @@ refusal counter. The last test runs waves on the old group and on a freshly
 handshaken one, proves the state check can see a real change, and stops the
 process with SIGTERM (exit 0).
 
-CI budget: about 2.5 s of fuzzing per socket (time and example bounds both
-apply), under 30 s for the module.
+Each pass runs a fixed number of examples (so a loaded machine runs the same
+cases as a quiet one, only slower) under a deadline generous enough never to be
+reached but on a hang: about 1.5 s a socket on a quiet machine, under 30 s for the
+module.
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ from tools.fuzz import (
 Ctx = zmq.Context[zmq.Socket[bytes]]
 
 ENGINES = 2
-SECONDS_PER_SOCKET = 2.5
-MAX_EXAMPLES_PER_SOCKET = 600
+# The deadline only stops a pass that hangs; the count is what a pass runs.
+EXAMPLES_PER_SOCKET = 300
+DEADLINE_PER_SOCKET_S = 120.0
 
 
 class FuzzModule:
@@ -83,10 +86,11 @@ def test_fuzzed_socket_keeps_the_process_and_its_state(
     fuzz_module: FuzzModule, socket: str
 ) -> None:
     result = fuzz_socket(fuzz_module.rig, fuzz_module.fuzzer, socket,
-                         seconds=SECONDS_PER_SOCKET, max_examples=MAX_EXAMPLES_PER_SOCKET)
+                         seconds=DEADLINE_PER_SOCKET_S, max_examples=EXAMPLES_PER_SOCKET)
     fuzz_module.results[socket] = result
     print(result.stats.line(socket), f"in {result.seconds:.1f} s")
     print("coordinator counters:", result.delta)
+    assert result.seconds < DEADLINE_PER_SOCKET_S, "the pass hit its deadline: a hang?"
     assert result.stats.sent > 50, "the pass sent almost nothing"
     assert not result.problems, "\n".join(result.problems)
 

@@ -109,8 +109,10 @@ def test_a_stats_flood_costs_bounded_memory_and_spares_a_legitimate_engine(
                                 for p in (wave_publish(w, True), wave_publish(w + 1, False))]
     # Full publishes kept coming (vLLM's coordinator sends none for seconds under a flood).
     assert len(publishes) >= 10, publishes
+    # Publishes are due every 100 ms; a starved loop sends none for the whole 3 s
+    # flood. The bound sits between the two with room for a loaded machine.
     gaps = [b - a for a, b in itertools.pairwise(publishes)]
-    assert max(gaps) < 1.0, gaps
+    assert max(gaps) < 2.5, gaps
     counters = front.counters()
     assert counters["waves.start_broadcasts"] == wave
     assert handle.is_alive()
