@@ -531,8 +531,11 @@ def classify_requests(load: ChaosLoad, report: ChaosReport, *, max_lost: int = 2
     for record in load.records.values():
         finishes = load.finish_counts.get(record.request_id, 0)
         t["submitted"] += 1
-        if finishes > 1:
-            t["completed_more_than_once"] += 1
+        # One class each: a refusal first (refused_then_completed is a mark beside
+        # it), then a repeat, then what came before the one finish. A submit that
+        # timed out (or was reported failed) and then finished is in that class only,
+        # never in completed_once too: on a loaded machine submit timeouts are common,
+        # and counting them twice broke "exactly one class".
         if record.refused is not None:
             t["refused"] += 1
             report.refused_by_code[record.refused] += 1
@@ -540,11 +543,13 @@ def classify_requests(load: ChaosLoad, report: ChaosReport, *, max_lost: int = 2
                 t["refused_then_completed"] += 1
             continue
         if finishes:
-            if record.failed is not None:
+            if finishes > 1:
+                t["completed_more_than_once"] += 1
+            elif record.failed is not None:
                 t["failed_notice_then_completed"] += 1
             elif record.submit_timed_out:
                 t["timed_out_then_completed"] += 1
-            if finishes == 1:
+            else:
                 t["completed_once"] += 1
             continue
         if record.failed is not None:
