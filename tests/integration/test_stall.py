@@ -37,10 +37,12 @@ RATE = 40.0  # requests per second
 LOAD_BEFORE_S = 2.0
 LOAD_AFTER_S = 2.0
 STEPS = (20, 120)  # 0.1 to 0.6 s of decode at 5 ms a step
-RECOVER_WITHIN_S = 5.0
+# A bound on recovery, not a measure of it (the test prints that): wide enough for a
+# loaded machine, far shorter than a group that never recovers.
+RECOVER_WITHIN_S = 20.0
 SETTLE_S = 20.0
 
-pytestmark = pytest.mark.timeout(STALL_S + 90)
+pytestmark = pytest.mark.timeout(STALL_S + 150)
 
 
 @dataclass
