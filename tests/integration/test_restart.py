@@ -190,27 +190,10 @@ def test_restarted_engine_takes_its_rank_back_as_soon_as_the_old_one_is_gone(
     assert counters.get("handshake.replaced", 0) >= 1
 
 
-def test_state_file_is_json_an_operator_can_read(
+def start_one_saved_lease(
     restartable: type[Restartable], zmq_ctx: Ctx
-) -> None:
-    coord = restartable(1)
-    handle = coord.start()
-    handshake_group(zmq_ctx, handle.addresses, [0], dp_size=1)
-    assert coord.state_file is not None
-    path = coord.state_file
-    def saved_leases() -> object:
-        return os.path.exists(path) and json.loads(Path(path).read_text())["leases"]
-
-    wait_until(saved_leases, timeout=5.0)
-    saved = json.loads(Path(path).read_text())
-    assert saved["gate_open"] is True
-    assert saved["leases"][0]["rank"] == 0
-    assert saved["leases"][0]["state"] == "ready"
-
-
-def test_start_up_removes_temporary_files_a_killed_write_left_and_uses_the_state_file(
-    restartable: type[Restartable], zmq_ctx: Ctx
-) -> None:
+) -> tuple[Restartable, Path]:
+    """A one-rank coordinator whose state file holds rank 0's READY lease."""
     coord = restartable(1)
     handle = coord.start()
     handshake_group(zmq_ctx, handle.addresses, [0], dp_size=1)
@@ -220,7 +203,24 @@ def test_start_up_removes_temporary_files_a_killed_write_left_and_uses_the_state
     def saved_leases() -> object:
         return path.exists() and json.loads(path.read_text())["leases"]
 
-    wait_until(saved_leases, timeout=5.0)
+    wait_until(saved_leases, timeout=30.0)
+    return coord, path
+
+
+def test_state_file_is_json_an_operator_can_read(
+    restartable: type[Restartable], zmq_ctx: Ctx
+) -> None:
+    _, path = start_one_saved_lease(restartable, zmq_ctx)
+    saved = json.loads(path.read_text())
+    assert saved["gate_open"] is True
+    assert saved["leases"][0]["rank"] == 0
+    assert saved["leases"][0]["state"] == "ready"
+
+
+def test_start_up_removes_temporary_files_a_killed_write_left_and_uses_the_state_file(
+    restartable: type[Restartable], zmq_ctx: Ctx
+) -> None:
+    coord, path = start_one_saved_lease(restartable, zmq_ctx)
     coord.kill()
     stale = path.parent / f".{path.name}.state-k9stale1"  # as mkstemp names them
     stale.write_bytes(b'{"version": 1, "half wri')
