@@ -42,7 +42,7 @@ from coordinator.cli.common import (
     read_frontend_address,
     shown_state,
 )
-from coordinator.core.balancer import balance_ratio
+from coordinator.core.dispatch.balancer import balance_ratio
 from coordinator.protocol import frontend as fp
 
 EXIT_OK = 0

@@ -32,8 +32,8 @@ from typing import Literal, TypeAlias
 
 import msgspec
 
+from coordinator.core.dispatch.prefix_policy import RoutePrompt
 from coordinator.core.persisted import SavedState
-from coordinator.core.router import RoutePrompt
 
 SocketName: TypeAlias = Literal[
     "handshake", "dispatch", "back_output", "back_publish", "front_publish", "frontend",

@@ -19,10 +19,8 @@ from __future__ import annotations
 import random
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from logging import DEBUG, ERROR, INFO, WARNING
 
-from coordinator.core import liveness
 from coordinator.core.actions import (
     NO_ACTIONS,
     REFRESH_OBSERVED,
@@ -34,76 +32,34 @@ from coordinator.core.actions import (
     SendPurpose,
     SocketName,
 )
-from coordinator.core.balancer import BalancePolicy, LoadTable, make_policy
-from coordinator.core.claims import SilentConnections
+from coordinator.core.config import CoreConfig
+from coordinator.core.dispatch.balancer import BalancePolicy, LoadTable, make_policy
+from coordinator.core.dispatch.ledger import RequestLedger
+from coordinator.core.dispatch.prefix_policy import PREFIX_POLICY, PrefixRouter
+from coordinator.core.dispatch.prefix_rule import RoutingConfig, SessionAffinity
 from coordinator.core.events import HandshakeReceived
-from coordinator.core.frontends import FrontendRegistry
-from coordinator.core.gate import GateStep, StartGate
-from coordinator.core.kv_plane import KVPlane, KVSettings
-from coordinator.core.membership import EngineLease, Membership, RankChanged, RankState
-from coordinator.core.persisted import STATE_VERSION, SavedLease, SavedState
-from coordinator.core.publishing import PublishSchedule
-from coordinator.core.recorder import (
+from coordinator.core.frontends.registry import FrontendRegistry
+from coordinator.core.kv.plane import KVPlane
+from coordinator.core.observe.publishing import PublishSchedule
+from coordinator.core.observe.recorder import (
     KIND_MEMBERSHIP,
     KIND_WAKE,
     KIND_WAVE,
     FlightRecorder,
     WaveTimeline,
 )
-from coordinator.core.requests import RequestLedger
-from coordinator.core.router import PREFIX_POLICY, PrefixRouter
-from coordinator.core.routing import RoutingConfig, SessionAffinity
-from coordinator.core.watchdog import HangWatchdog
-from coordinator.core.waves import BroadcastStartWave, PublishWave, WaveAction, WaveState
+from coordinator.core.persisted import STATE_VERSION, SavedLease, SavedState
+from coordinator.core.ranks import liveness
+from coordinator.core.ranks.claims import SilentConnections
+from coordinator.core.ranks.membership import EngineLease, Membership, RankChanged, RankState
+from coordinator.core.waves.gate import GateStep, StartGate
+from coordinator.core.waves.table import BroadcastStartWave, PublishWave, WaveAction, WaveState
+from coordinator.core.waves.watchdog import HangWatchdog
 from coordinator.protocol import frontend as fp
 from coordinator.protocol import vllm
 
 # Registrations that survive a coordinator restart (see core.persisted).
 _SETTLED = (RankState.READY, RankState.CORDONED, RankState.DRAINING)
-
-
-@dataclass(frozen=True)
-class CoreConfig:
-    """The core's settings (the server's flags that are rules, not IO)."""
-
-    rank_start: int
-    engines: int
-    frontends: int = 0
-    max_frontends: int = 1024
-    max_in_flight: int = 1_000_000
-    lockstep: bool = True
-    lease_ttl_s: float = 10.0
-    handshake_ttl_s: float = 1800.0
-    publish_interval_s: float = 0.1
-    heartbeat_s: float = 5.0
-    first_publish_delay_s: float = 0.05
-    policy: str = "least-loaded"
-    row_width: int = 3
-    """Values per published count row: 3 (vLLM 0.29 to 0.33), 2 (frontends before
-    ``kv_cache_usage``). A separate choice from ``frontend_wake``."""
-    frontend_wake: bool = True
-    """Honour the pre-0.33 frontend wake in lockstep (vLLM 0.29 to 0.32 MoE groups hang
-    without it); False drops it, as vLLM 0.33's coordinator does."""
-    frontend_lease_ttl_s: float = 30.0
-    """A frontend registration not renewed (traffic, heartbeats) for this long expires."""
-    admin_keys: frozenset[str] = frozenset()
-    """CURVE client keys (Z85) of operators, who may run admin commands on ``frontend``."""
-    min_engines: int = 0
-    max_engines: int = 0
-    """Bounds on SCALE_ELASTIC_EP's rank count; 0 means ``engines`` (a fixed size)."""
-    watchdog_stall_s: float = 30.0
-    """0 disables the watchdog's alerts."""
-    watchdog_rewake: bool = True
-    recorder_size: int = 1000
-    persist: bool = False
-    """Emit ``SaveState`` whenever what a restart needs changed."""
-    rewake_after_s: float = 1.0
-    observe_interval_s: float = 0.25
-    state_retry_s: float = 1.0
-    kv: KVSettings | None = None
-    """Follow the engines' KV cache events (None: do not)."""
-    prefix_slack_tokens: float = 256.0
-    """The prefix policy's load/cache trade-off (``RoutingConfig.slack_tokens``)."""
 
 
 class CoreContext:

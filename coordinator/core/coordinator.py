@@ -56,9 +56,8 @@ from collections.abc import Callable, Sequence
 from logging import ERROR, INFO, WARNING
 from typing import Any
 
-from coordinator.core import liveness
 from coordinator.core.actions import Action, DispatchAdd, SendPurpose, SetLinger, SocketName
-from coordinator.core.context import CoreConfig
+from coordinator.core.config import CoreConfig
 from coordinator.core.engine_rules import EngineRules
 from coordinator.core.events import (
     BadFrame,
@@ -88,9 +87,10 @@ from coordinator.core.events import (
     Tick,
 )
 from coordinator.core.frontend_rules import FrontendRules
-from coordinator.core.membership import RankState, Refused
-from coordinator.core.recorder import KIND_MEMBERSHIP
-from coordinator.core.waves import WaveState
+from coordinator.core.observe.recorder import KIND_MEMBERSHIP
+from coordinator.core.ranks import liveness
+from coordinator.core.ranks.membership import RankState, Refused
+from coordinator.core.waves.table import WaveState
 from coordinator.protocol import frontend as fp
 from coordinator.protocol import vllm
 from coordinator.protocol.identity import identity_to_rank

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from logging import ERROR, INFO, WARNING
 
-from coordinator.core import liveness
 from coordinator.core.actions import (
     REARM_TIMER,
     REFRESH_OBSERVED_NOW,
@@ -19,8 +18,6 @@ from coordinator.core.actions import (
     Publish,
     SendPurpose,
 )
-from coordinator.core.authority import resize_refusal
-from coordinator.core.claims import Greeting
 from coordinator.core.events import (
     EngineGreeted,
     EngineSubscribed,
@@ -30,13 +27,22 @@ from coordinator.core.events import (
     PeerConnected,
     PeerDisconnected,
 )
-from coordinator.core.frontends import InitStep
-from coordinator.core.gate import GateStep
+from coordinator.core.frontends.registry import InitStep
 from coordinator.core.kv_rules import KVRules
-from coordinator.core.liveness import ProbeAnswer, ProbeEffect
-from coordinator.core.membership import Accepted, EngineLease, ProbeHolder, RankChanged, Refused
-from coordinator.core.recorder import KIND_MEMBERSHIP, KIND_REFUSAL, KIND_WATCHDOG
-from coordinator.core.watchdog import NO_PROGRESS
+from coordinator.core.observe.recorder import KIND_MEMBERSHIP, KIND_REFUSAL, KIND_WATCHDOG
+from coordinator.core.ranks import liveness
+from coordinator.core.ranks.authority import resize_refusal
+from coordinator.core.ranks.claims import Greeting
+from coordinator.core.ranks.liveness import ProbeAnswer, ProbeEffect
+from coordinator.core.ranks.membership import (
+    Accepted,
+    EngineLease,
+    ProbeHolder,
+    RankChanged,
+    Refused,
+)
+from coordinator.core.waves.gate import GateStep
+from coordinator.core.waves.watchdog import NO_PROGRESS
 from coordinator.protocol import vllm
 from coordinator.protocol.errors import ProtocolError
 from coordinator.protocol.identity import identity_to_rank, rank_to_identity

@@ -37,8 +37,8 @@ from typing import Literal, TypeAlias
 import msgspec
 
 from coordinator.core.actions import ConnectionSocket, DispatchAdd, Send, SocketName
-from coordinator.core.authority import Channel
 from coordinator.core.persisted import SavedState
+from coordinator.core.ranks.authority import Channel
 from coordinator.protocol import frontend as fp
 from coordinator.protocol import vllm
 from coordinator.protocol.errors import ProtocolError

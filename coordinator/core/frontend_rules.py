@@ -12,18 +12,18 @@ from __future__ import annotations
 from logging import INFO, WARNING
 
 from coordinator.core.actions import Action, DispatchAdd, Send, SendPurpose, SocketName
-from coordinator.core.authority import Authority, authority, not_authorized_message
-from coordinator.core.events import FrontendRequestReceived
-from coordinator.core.frontends import RegisterVerdict
-from coordinator.core.membership import Refused
-from coordinator.core.requests import (
+from coordinator.core.dispatch.ledger import (
     NO_READY_ENGINE,
     Refusal,
     dispatch_refusal,
     explicit_rank_refusal,
 )
+from coordinator.core.dispatch.prefix_policy import RoutePrompt
+from coordinator.core.events import FrontendRequestReceived
+from coordinator.core.frontends.registry import RegisterVerdict
+from coordinator.core.ranks.authority import Authority, authority, not_authorized_message
+from coordinator.core.ranks.membership import Refused
 from coordinator.core.route_rules import RouteRules
-from coordinator.core.router import RoutePrompt
 from coordinator.protocol import frontend as fp
 from coordinator.protocol import vllm
 from coordinator.protocol.identity import rank_to_identity

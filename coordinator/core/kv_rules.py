@@ -29,8 +29,8 @@ from coordinator.core.events import (
     KVPublisherDisconnected,
     KVReplayEnded,
 )
-from coordinator.core.kv_plane import Subscription
-from coordinator.core.kv_stream import Apply, Effect, RequestReplay, ResetIndex
+from coordinator.core.kv.plane import Subscription
+from coordinator.core.kv.stream import Apply, Effect, RequestReplay, ResetIndex
 from coordinator.protocol.kv_events import KVEventBatch
 
 

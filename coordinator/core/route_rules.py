@@ -23,9 +23,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from coordinator.core.context import CoreContext
-from coordinator.core.membership import RankState
-from coordinator.core.requests import NO_READY_ENGINE
-from coordinator.core.router import RoutePrompt
+from coordinator.core.dispatch.ledger import NO_READY_ENGINE
+from coordinator.core.dispatch.prefix_policy import RoutePrompt
+from coordinator.core.ranks.membership import RankState
 from coordinator.protocol import frontend as fp
 from coordinator.protocol.engine_request import decode_add_request
 from coordinator.protocol.errors import ProtocolError

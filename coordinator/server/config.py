@@ -6,8 +6,8 @@ import ipaddress
 import socket
 from dataclasses import dataclass, field
 
-from coordinator.core.kv_plane import KVSettings
-from coordinator.core.router import PREFIX_POLICY
+from coordinator.core.dispatch.prefix_policy import PREFIX_POLICY
+from coordinator.core.kv.plane import KVSettings
 from coordinator.protocol.addresses import SOCKET_KEYS, bind_host, check_bind_safety
 from coordinator.protocol.identity import MAX_RANK
 from coordinator.protocol.kv_events import subscription_for

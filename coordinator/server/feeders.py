@@ -14,9 +14,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import cast
 
 from coordinator.core.actions import Action, SocketName
-from coordinator.core.authority import Channel
 from coordinator.core.coordinator import CoordinatorCore
 from coordinator.core.events import Event, FrontendRequestReceived
+from coordinator.core.ranks.authority import Channel
 from coordinator.protocol import frontend as fp
 from coordinator.protocol import vllm
 from coordinator.server.connections import PeerConnections

@@ -20,7 +20,7 @@ from prometheus_client.metrics_core import (
     Metric,
 )
 
-from coordinator.core.balancer import balance_ratio
+from coordinator.core.dispatch.balancer import balance_ratio
 from coordinator.server.observe import ObservedState
 from coordinator.server.prefix_metrics import prefix_metrics
 

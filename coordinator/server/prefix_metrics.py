@@ -19,7 +19,7 @@ from prometheus_client.metrics_core import (
     Metric,
 )
 
-from coordinator.core.routing import RouteReason
+from coordinator.core.dispatch.prefix_rule import RouteReason
 from coordinator.server.observe import DECISION_BUCKETS, ObservedState
 
 PREFIX: Final = "dp_coordinator"

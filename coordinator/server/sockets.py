@@ -9,7 +9,7 @@ import tempfile
 
 import zmq
 
-from coordinator.core import liveness
+from coordinator.core.ranks import liveness
 from coordinator.server.config import ServerConfig
 from coordinator.server.stats_reader import BACK_OUTPUT_RCVHWM
 from coordinator.server.transport import bind_socket

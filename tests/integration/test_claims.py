@@ -17,8 +17,8 @@ import time
 import pytest
 import zmq
 
-from coordinator.core import liveness
-from coordinator.core.claims import GREETING_GRACE_S
+from coordinator.core.ranks import liveness
+from coordinator.core.ranks.claims import GREETING_GRACE_S
 from tests.conftest import TRANSPORTS, CoordinatorFactory
 from tests.vllm_peers import (
     READY,

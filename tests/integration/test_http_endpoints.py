@@ -14,8 +14,8 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator.core.recorder import KIND_MEMBERSHIP, KIND_WAVE, FlightRecorder
-from coordinator.core.watchdog import HangWatchdog
+from coordinator.core.observe.recorder import KIND_MEMBERSHIP, KIND_WAVE, FlightRecorder
+from coordinator.core.waves.watchdog import HangWatchdog
 from coordinator.server.http import (
     HttpEndpoints,
     ObservedState,

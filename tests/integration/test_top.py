@@ -25,7 +25,7 @@ from coordinator.cli.top import (
     run_top,
     state_url,
 )
-from coordinator.core.watchdog import HangWatchdog
+from coordinator.core.waves.watchdog import HangWatchdog
 from coordinator.engine import EngineAgent
 from coordinator.launch import launch
 from coordinator.server.http import HttpEndpoints, ObservedState, RankView

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.core.authority import (
+from coordinator.core.ranks.authority import (
     Authority,
     authority,
     not_authorized_message,

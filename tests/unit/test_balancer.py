@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.core.balancer import (
+from coordinator.core.dispatch.balancer import (
     POLICIES,
     BalancePolicy,
     LeastLoaded,
@@ -24,7 +24,7 @@ from coordinator.core.balancer import (
     load_score,
     make_policy,
 )
-from coordinator.core.routing import pick_least_loaded_sticky
+from coordinator.core.dispatch.prefix_rule import pick_least_loaded_sticky
 
 
 def report(

@@ -12,9 +12,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from coordinator.core.prefix_index import PrefixIndex, PromptBlocks
-from coordinator.core.router import SessionPrompts
-from coordinator.core.routing import SessionAffinity
+from coordinator.core.dispatch.prefix_policy import SessionPrompts
+from coordinator.core.dispatch.prefix_rule import SessionAffinity
+from coordinator.core.kv.prefix_index import PrefixIndex, PromptBlocks
 from coordinator.protocol.kv_events import BlockStored
 
 BOUND = 1 << 18  # the prefix index default cap, where the dict pattern showed (189 us against 3)

@@ -24,7 +24,7 @@ from coordinator.core.events import (
     Shutdown,
     StateSaveFailed,
 )
-from coordinator.core.membership import RankState
+from coordinator.core.ranks.membership import RankState
 from coordinator.protocol import frontend as fp
 from coordinator.protocol import vllm
 from coordinator.protocol.errors import IdentityError, ProtocolError

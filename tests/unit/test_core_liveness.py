@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.core import liveness
-from coordinator.core.claims import GREETING_GRACE_S
-from coordinator.core.membership import RankState
+from coordinator.core.ranks import liveness
+from coordinator.core.ranks.claims import GREETING_GRACE_S
+from coordinator.core.ranks.membership import RankState
 from coordinator.protocol import frontend as fp
 from coordinator.protocol import vllm
 from coordinator.protocol.identity import rank_to_identity

@@ -18,7 +18,7 @@ from coordinator.core.events import (
     KVPublisherDisconnected,
     KVReplayEnded,
 )
-from coordinator.core.kv_plane import KVSettings
+from coordinator.core.kv.plane import KVSettings
 from coordinator.protocol import frontend as fp
 from coordinator.protocol import vllm
 from coordinator.protocol.errors import ProtocolError

@@ -35,10 +35,10 @@ from hypothesis.stateful import (
     rule,
 )
 
-from coordinator.core import liveness
 from coordinator.core.events import KV_DRAIN, KVBatchReceived, KVReplayEnded
-from coordinator.core.kv_plane import KVSettings
-from coordinator.core.membership import RankState
+from coordinator.core.kv.plane import KVSettings
+from coordinator.core.ranks import liveness
+from coordinator.core.ranks.membership import RankState
 from coordinator.protocol import frontend as fp
 from coordinator.protocol import vllm
 from coordinator.protocol.identity import rank_to_identity

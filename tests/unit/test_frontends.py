@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.core.frontends import (
+from coordinator.core.frontends.registry import (
     FrontendPeer,
     FrontendRegistry,
     InitStep,

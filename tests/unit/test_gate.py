@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.core.gate import GATE, GateEvent, GateState, GateStep, StartGate
+from coordinator.core.waves.gate import GATE, GateEvent, GateState, GateStep, StartGate
 
 
 def test_every_state_and_event_has_a_row() -> None:

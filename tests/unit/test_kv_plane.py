@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from coordinator.core.dispatch.prefix_policy import SessionPrompts
 from coordinator.core.events import EngineGreeted, KVBadMessage, KVBatchReceived, KVReplayEnded
-from coordinator.core.kv_plane import KVPlane, KVSettings
-from coordinator.core.prefix_index import PrefixIndex
-from coordinator.core.router import SessionPrompts
+from coordinator.core.kv.plane import KVPlane, KVSettings
+from coordinator.core.kv.prefix_index import PrefixIndex
 from coordinator.protocol.kv_events import (
     AllBlocksCleared,
     BlockRemoved,

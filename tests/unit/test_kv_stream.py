@@ -9,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from coordinator.core.kv_stream import (
+from coordinator.core.kv.stream import (
     STREAM,
     Apply,
     KVStreams,

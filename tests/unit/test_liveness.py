@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.core.liveness import (
+from coordinator.core.ranks.liveness import (
     HOLDER_PROBE_OUTCOMES,
     PAUSE_CREDIT_S,
     PROBE_FRAMES,
@@ -24,7 +24,7 @@ from coordinator.core.liveness import (
     ranks_to_probe,
     silent_after_s,
 )
-from coordinator.core.membership import EngineLease, RankState
+from coordinator.core.ranks.membership import EngineLease, RankState
 from coordinator.protocol import vllm
 
 

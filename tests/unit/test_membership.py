@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from coordinator.core.membership import (
+from coordinator.core.ranks.membership import (
     Accepted,
     EngineLease,
     Greeting,

@@ -15,7 +15,7 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule
 
-from coordinator.core.membership import (
+from coordinator.core.ranks.membership import (
     Accepted,
     EngineLease,
     Greeting,

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.core.prefix_index import (
+from coordinator.core.kv.prefix_index import (
     BYTES_PER_KEY,
     BYTES_PER_RANK_BLOCK,
     BlockKeyer,

@@ -15,7 +15,7 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from coordinator.core.prefix_index import PrefixIndex, extra_key_bytes
+from coordinator.core.kv.prefix_index import PrefixIndex, extra_key_bytes
 from coordinator.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 BS = 2

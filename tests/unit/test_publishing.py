@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.core.balancer import LoadTable
-from coordinator.core.publishing import PublishSchedule
+from coordinator.core.dispatch.balancer import LoadTable
+from coordinator.core.observe.publishing import PublishSchedule
 
 EPS = 1e-9
 

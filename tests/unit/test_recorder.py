@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.core.recorder import (
+from coordinator.core.observe.recorder import (
     KIND_MEMBERSHIP,
     KIND_WAVE,
     FlightRecorder,

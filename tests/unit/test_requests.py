@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.core.requests import (
+from coordinator.core.dispatch.ledger import (
     NO_READY_ENGINE,
     SHUTTING_DOWN,
     InFlight,

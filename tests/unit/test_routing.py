@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.core.balancer import LoadTable
-from coordinator.core.routing import (
+from coordinator.core.dispatch.balancer import LoadTable
+from coordinator.core.dispatch.prefix_rule import (
     PREFERENCES,
     RecentDispatches,
     RouteDecision,

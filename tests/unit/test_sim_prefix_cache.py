@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from coordinator.core.prefix_index import PrefixIndex, prompt_extras
+from coordinator.core.kv.prefix_index import PrefixIndex, prompt_extras
 from coordinator.protocol.engine_request import MultiModalPlaceholder, PlaceholderRange
 from coordinator.protocol.kv_events import (
     AllBlocksCleared,

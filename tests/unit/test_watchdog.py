@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.core.watchdog import (
+from coordinator.core.waves.watchdog import (
     ALERT_KINDS,
     EPISODE,
     NO_PROGRESS,

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from coordinator.core.waves import (
+from coordinator.core.waves.table import (
     TRANSITIONS,
     BroadcastStartWave,
     Exclude,

@@ -54,7 +54,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from coordinator.core.waves import (
+from coordinator.core.waves.table import (
     BroadcastStartWave,
     PublishWave,
     WaveAction,

@@ -7,8 +7,8 @@ so that the core can judge who may change membership (``core.authority``).
 
 from __future__ import annotations
 
-from coordinator.core.authority import Channel
 from coordinator.core.events import BadFrame, FrontendRequestReceived
+from coordinator.core.ranks.authority import Channel
 from coordinator.protocol import frontend as fp
 from coordinator.protocol.errors import ProtocolError
 

@@ -39,12 +39,12 @@ from typing import NamedTuple
 
 import msgspec
 
-from coordinator.core.kv_stream import KVStreams
-from coordinator.core.prefix_index import (
+from coordinator.core.kv.prefix_index import (
     DEFAULT_MAX_BLOCKS,
     DEFAULT_MAX_BLOCKS_PER_RANK,
     PrefixIndex,
 )
+from coordinator.core.kv.stream import KVStreams
 from coordinator.protocol.kv_events import (
     AllBlocksCleared,
     BlockRemoved,

@@ -47,7 +47,7 @@ from itertools import compress
 from operator import itemgetter
 from typing import Protocol
 
-from coordinator.core.routing import RecentDispatches
+from coordinator.core.dispatch.prefix_rule import RecentDispatches
 
 # Extra weight for waiting requests on an engine whose KV cache is past this
 # fraction: a queue there drains slowly because new sequences cannot be admitted.

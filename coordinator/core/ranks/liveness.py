@@ -88,7 +88,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Mapping
 
-from coordinator.core.membership import EngineLease, RankState
+from coordinator.core.ranks.membership import EngineLease, RankState
 from coordinator.protocol import vllm
 
 # An empty ABORT: the type frame and an empty request id list.

@@ -39,9 +39,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from coordinator.core.balancer import LoadTable
-from coordinator.core.prefix_index import PrefixIndex, PromptBlocks, prompt_extras
-from coordinator.core.routing import (
+from coordinator.core.dispatch.balancer import LoadTable
+from coordinator.core.dispatch.prefix_rule import (
     RecentDispatches,
     RouteDecision,
     RoutingConfig,
@@ -49,6 +48,7 @@ from coordinator.core.routing import (
     TokenLoad,
     choose_rank,
 )
+from coordinator.core.kv.prefix_index import PrefixIndex, PromptBlocks, prompt_extras
 from coordinator.protocol.engine_request import (
     AddRequestHead,
     MultiModalPlaceholder,

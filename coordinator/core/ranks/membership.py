@@ -66,7 +66,7 @@ import math
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from coordinator.core.claims import Greeting, HelloVerdict, hello_verdict, holder_connected
+from coordinator.core.ranks.claims import Greeting, HelloVerdict, hello_verdict, holder_connected
 from coordinator.protocol.errors import RankRangeError
 from coordinator.protocol.identity import MAX_RANK
 
