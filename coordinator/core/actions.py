@@ -28,11 +28,10 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import Literal, TypeAlias
+from typing import Any, Literal, TypeAlias
 
 import msgspec
 
-from coordinator.core.dispatch.prefix_policy import RoutePrompt
 from coordinator.core.persisted import SavedState
 
 SocketName: TypeAlias = Literal[
@@ -71,26 +70,16 @@ class DispatchAdd(msgspec.Struct, frozen=True):
     """Send ADD ``[engine, b"\x00", *payload]`` on dispatch; if that worked, carry out
     ``wake`` (the wave's actions for a first request, if any), then send ``reply``.
 
-    The rest describes the submit, so that a failed ADD can be tried elsewhere:
-    the frontend connection and call, the wave the request was stamped with, the
-    ranks already tried, and whether the frontend named this rank itself.
+    ``retry`` is the dispatch domain's own note of the submit (opaque here), handed
+    back with ``SendFailed`` so that a failed ADD can be tried elsewhere.
     """
 
     rank: int
     engine: bytes
     payload: list[bytes]
     reply: Send
-    frontend: bytes
-    call_id: int
-    request_id: str
-    stamped_wave: int
     wake: tuple[Action, ...] = ()
-    tried: tuple[int, ...] = ()
-    explicit: bool = False
-    cost: float = 0.0
-    """Tokens of work the prefix policy counted for the rank (taken back if the ADD fails)."""
-    prompt: RoutePrompt | None = None
-    """The prompt the prefix policy read, to choose again without reading it twice."""
+    retry: Any = None
 
 
 class Publish(msgspec.Struct, frozen=True):

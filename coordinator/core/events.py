@@ -20,14 +20,17 @@ with the protocol package's typed decoders and hands the core the result:
 KV cache events from the engines' publishers come as ``KVBatchReceived``,
 ``KVReplayEnded`` and ``KVBadMessage``, and ``KVPublisherConnected`` or
 ``KVPublisherDisconnected`` when a connection to one comes up or ends;
-``KVDrain`` asks the core to apply one bounded slice of the queued ones.
+``KVDrain`` asks the core to apply one bounded slice of the queued ones;
+``KVSubscribeFailed`` and ``KVReplayUnsent`` say that a KV action could not be
+carried out, so the core never believes it follows a publisher it does not.
 
 Outcomes of sends come back as ``SendFailed`` (always) and ``SendSucceeded``
 (only for a ``Send`` the core marked ``confirm``), right after the send and
 before any other event. Time comes with every event as ``now``; ``Tick`` is
 the timer firing. The rest are the process's own life: ``Bound`` (the
 sockets' addresses), ``Restore`` (a state file to resume from),
-``StateSaveFailed``, ``Shutdown`` and the operator's ``DumpRecorder``.
+``StateSaveFailed``, ``Shutdown``, the operator's ``DumpRecorder``, and
+``ServerCounters`` (the server's own counters, shown in the core's views).
 """
 
 from __future__ import annotations
@@ -178,6 +181,29 @@ class KVDrain(msgspec.Struct, frozen=True, gc=False):
     """Apply queued KV events to the prefix index, one bounded slice."""
 
 
+class KVSubscribeFailed(msgspec.Struct, frozen=True):
+    """A ``KVSubscribe`` could not be carried out (an address in use, a bad one): the
+    rank's publisher is not followed."""
+
+    rank: int
+    address: str
+    error: str
+
+
+class KVReplayUnsent(msgspec.Struct, frozen=True):
+    """A ``KVRequestReplay`` could not be sent: no answer will come."""
+
+    rank: int
+    error: str
+
+
+class ServerCounters(msgspec.Struct, frozen=True):
+    """The server's own counters (its internal errors, CURVE refusals), as they are now;
+    the core shows them beside its own in every view."""
+
+    values: dict[str, int]
+
+
 class SendFailed(msgspec.Struct, frozen=True):
     """The server could not hand ``action`` to its socket (peer gone, or queue full)."""
 
@@ -256,6 +282,9 @@ Event: TypeAlias = (
     | KVPublisherConnected
     | KVPublisherDisconnected
     | KVDrain
+    | KVSubscribeFailed
+    | KVReplayUnsent
+    | ServerCounters
     | BadFrame
     | SendFailed
     | SendSucceeded

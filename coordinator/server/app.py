@@ -26,7 +26,6 @@ import shutil
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
 
 import zmq
 
@@ -55,6 +54,7 @@ from coordinator.core.events import (
     Shutdown,
     StateSaveFailed,
 )
+from coordinator.core.runner import ActionRunner
 from coordinator.protocol import vllm
 from coordinator.protocol.addresses import SOCKET_KEYS
 from coordinator.server.config import ServerConfig
@@ -126,7 +126,6 @@ class CoordinatorServer:
         self.curve: CurveServer | None = None
         self.counters: Counter[str] = Counter()
         """Failures of the server itself (``internal_error.*``), merged into the core's."""
-        self.core.extra_counters = self._own_counters
         self._ipc_dir: str | None = None
         self._owns_ipc_dir = False
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
@@ -140,12 +139,12 @@ class CoordinatorServer:
         self.decision_times = DecisionTimes()
         self._observer = ObservedPusher(self.core, self._update_http, clock, self.decision_times)
         self._timer = CoreTimer(self.core, self.execute, clock=clock,
-                                on_error=self._handler_failed, pokes=self._reader_pokes)
+                                on_error=self._handler_failed, pokes=self._reader_pokes,
+                                server_counters=self._own_counters)
         self._serving = False
-        self._follow_ups: list[Action] = []
         self._sent_on: set[str] = set()
         """Sockets sent on by the actions being carried out; their readers are poked after."""
-        self._runners: dict[type, Callable[[Any], None]] = {
+        self._runner = ActionRunner(self.core, {
             Send: self._run_send,
             DispatchAdd: self._run_dispatch_add,
             Publish: self._run_publish,
@@ -155,8 +154,8 @@ class CoordinatorServer:
             RefreshObserved: self._run_refresh,
             RearmTimer: self._run_rearm,
             CloseConnection: self._run_close_connection,
-            **kv_action_runners(lambda: self.kv_plane, self.counters, self._ratelog),
-        }
+            **kv_action_runners(lambda: self.kv_plane),
+        }, clock)
         # One handler per socket: frames in, actions carried out.
         self.feeders = Feeders(self.core, clock, self.execute, self.decision_times,
                                self._connections)
@@ -179,11 +178,11 @@ class CoordinatorServer:
                 self._owns_ipc_dir = True
         ipc_dir = self._ipc_dir or ""
         self._ctx = zmq.Context()
-        if self.core.kv is not None:
-            kv = self.core.kv
+        if self.core.follows_kv_events:
+            core = self.core
             self.kv_plane = KVEventsPlane(
-                self._ctx, self._feed, backlog_full=lambda: kv.backlog_full,
-                pending=lambda: kv.pending_blocks > 0,
+                self._ctx, self._feed, backlog_full=core.kv_backlog_full,
+                pending=core.kv_pending,
                 max_message_bytes=cfg.max_message_bytes("kv_events"),
                 on_error=self._handler_failed)
         if cfg.curve_secret_key is not None and cfg.curve_clients_dir is not None:
@@ -387,24 +386,14 @@ class CoordinatorServer:
     # ---- carrying out actions -----------------------------------------------
 
     def execute(self, actions: Sequence[Action]) -> None:
-        """Carry out ``actions`` in order, then whatever the core answered to their outcomes."""
-        runners = self._runners
-        while actions:
-            for action in actions:
-                runners[type(action)](action)
-            if not self._follow_ups:
-                break
-            actions, self._follow_ups = self._follow_ups, []
+        """Carry out ``actions`` in order, then whatever the core answered to their outcomes
+        (``core.runner``); then poke the readers of the sockets sent on."""
+        self._runner.run(actions)
         # After every send, not between them: a first request's wake leaves right
         # after its ADD, without a look at the dispatch socket in between.
         sent_on = self._sent_on
         while sent_on:
             self._poke(sent_on.pop())
-
-    def _report(self, event: SendFailed | SendSucceeded | StateSaveFailed) -> None:
-        # The core learns the outcome now, before any other event; what it answers is
-        # carried out once the current actions are done.
-        self._follow_ups.extend(self.core.handle(event, self.clock()))
 
     def _send_frames(self, key: str, identity: bytes, frames: Sequence[bytes],
                      kind: bytes | None = None) -> SendFailure | None:
@@ -423,14 +412,15 @@ class CoordinatorServer:
             self._sent_on.add(key)
         return None
 
-    def _run_send(self, action: Send) -> None:
+    def _run_send(self, action: Send) -> SendFailed | SendSucceeded | None:
         failure = self._send_frames(action.socket, action.identity, action.frames)
         if failure is not None:
-            self._report(SendFailed(action, failure))
-        elif action.confirm:
+            return SendFailed(action, failure)
+        if action.confirm:
             connections = self._connections.get(action.socket) if action.conn else None
             heard = connections.heard_ago(action.conn) if connections is not None else None
-            self._report(SendSucceeded(action, heard))
+            return SendSucceeded(action, heard)
+        return None
 
     def _run_close_connection(self, action: CloseConnection) -> None:
         connections = self._connections.get(action.socket)
@@ -438,15 +428,10 @@ class CoordinatorServer:
             log.info("cut a stale connection on %s that still held an identity",
                      action.socket)
 
-    def _run_dispatch_add(self, action: DispatchAdd) -> None:
+    def _run_dispatch_add(self, action: DispatchAdd) -> SendFailed | None:
+        # The runner carries out the wake and the reply once the ADD is handed over.
         failure = self._send_frames("dispatch", action.engine, action.payload, vllm.ADD)
-        if failure is not None:
-            self._report(SendFailed(action, failure))
-            return
-        runners = self._runners
-        for then in action.wake:
-            runners[type(then)](then)
-        self._run_send(action.reply)
+        return None if failure is None else SendFailed(action, failure)
 
     def _run_publish(self, action: Publish) -> None:
         send_frames(self._sockets[action.socket], action.frames)
@@ -458,14 +443,15 @@ class CoordinatorServer:
         else:
             self._ratelog.log(action.level, action.key, action.message, *action.args)
 
-    def _run_save_state(self, action: SaveState) -> None:
+    def _run_save_state(self, action: SaveState) -> StateSaveFailed | None:
         path = self.config.state_file
         if path is None:
-            return
+            return None
         try:
             save_state(path, action.state, durable=action.durable)
         except OSError as exc:
-            self._report(StateSaveFailed(path, str(exc)))
+            return StateSaveFailed(path, str(exc))
+        return None
 
     def _run_set_linger(self, action: SetLinger) -> None:
         sock = self._sockets.get(action.socket)

@@ -36,8 +36,9 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
+from coordinator.core.observe.views import RankView
 from coordinator.server.metrics import WAKE_LATENCY_BUCKETS, Published, SnapshotCollector
-from coordinator.server.observe import ObservedState, RankView
+from coordinator.server.observe import ObservedState
 
 __all__ = ["DEFAULT_METRICS_HOST", "ENDPOINTS", "HttpEndpoints", "ObservedState", "RankView",
            "add_observability_arguments"]

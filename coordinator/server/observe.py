@@ -16,26 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from coordinator.core.coordinator import CoordinatorCore
+from coordinator.core.observe.views import PrefixView, RankView
 from coordinator.protocol.frontend import group_state_to_builtins
 
 # Snapshots not forced by the timer are at least this far apart.
 MIN_INTERVAL_S = 0.05
-
-
-@dataclass(frozen=True)
-class RankView:
-    """One rank as the loop saw it when the snapshot was taken."""
-
-    rank: int
-    state: str
-    waiting: int = 0
-    running: int = 0
-    kv_cache_usage: float = 0.0
-    dispatched: int = 0
-    """Requests dispatched to this rank since the coordinator started."""
-    report_age_s: float | None = None
-    """Seconds since this rank's last stats report (None: never reported)."""
-    in_flight: int = 0
 
 
 # From 10 µs to 10 ms: a decision over 32 ranks and a few thousand prompt tokens
@@ -64,25 +49,6 @@ class DecisionTimes:
     def snapshot(self) -> tuple[tuple[int, ...], float]:
         """Counts per bucket (not cumulative; the last is +Inf) and their sum."""
         return tuple(self.counts), self.total_s
-
-
-@dataclass(frozen=True)
-class PrefixView:
-    """The KV event plane and the prefix index when the snapshot was taken."""
-
-    block_size: int | None
-    blocks: dict[int, int]
-    """Blocks the index holds, by rank."""
-    streams: dict[int, str]
-    """Each followed rank's stream state: sync, live or replaying."""
-    batches: dict[int, int]
-    """KV event batches received, by rank."""
-    subscriptions: dict[int, str]
-    """Where each followed rank's publisher is reached."""
-    total_blocks: int = 0
-    distinct_blocks: int = 0
-    memory_bytes: int = 0
-    pending_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -119,55 +85,20 @@ class ObservedState:
     """``DecisionTimes.snapshot()``: submits and route calls, by time taken."""
 
 
-def prefix_view(core: CoordinatorCore) -> PrefixView | None:
-    """What the KV event plane and the index hold now."""
-    kv = core.kv
-    if kv is None:
-        return None
-    index = kv.index
-    streams = {}
-    for rank in kv.streams.ranks():
-        view = kv.streams.view(rank)
-        if view is not None:
-            streams[rank] = view.state
-    return PrefixView(
-        block_size=index.block_size if index is not None else None,
-        blocks=index.blocks_per_rank() if index is not None else {},
-        streams=streams,
-        batches=dict(kv.counters.batches_by_rank),
-        subscriptions={rank: sub.live.address for rank, sub in kv.subscriptions.items()},
-        total_blocks=index.total_blocks if index is not None else 0,
-        distinct_blocks=index.distinct_blocks if index is not None else 0,
-        memory_bytes=index.memory_estimate_bytes() if index is not None else 0,
-        pending_blocks=kv.pending_blocks,
-    )
-
-
 def observed_state(core: CoordinatorCore, now: float, recorder_tail: list[dict[str, object]],
-                   decisions: DecisionTimes | None = None) -> ObservedState:
-    """Everything the HTTP endpoints show, from the core's queries."""
-    wave, running = core.waves.snapshot()
-    ranks = []
-    for rank in core.rank_range:
-        lease = core.membership.lease(rank)
-        load = core.loads.load(rank)
-        ranks.append(RankView(
-            rank=rank, state=lease.state.value if lease else "absent",
-            waiting=load.waiting, running=load.running, kv_cache_usage=load.kv_cache_usage,
-            dispatched=core.dispatched_by_rank[rank],
-            report_age_s=core.watchdog.report_age(rank, now),
-            in_flight=core.requests.count(rank),
-        ))
-    totals = core.timeline.totals(now)
+                   decisions: DecisionTimes | None = None,
+                   wake_latencies_s: list[float] | None = None) -> ObservedState:
+    """Everything the HTTP endpoints show: the core's view, and what the server measured."""
+    view = core.operator_view(now)
+    totals = view.totals
     return ObservedState(
-        taken_at=now, wave=wave, running=running, lockstep=core.config.lockstep, ranks=ranks,
-        counters=core.counter_values(), waves_total=totals.waves_started,
+        taken_at=now, wave=view.wave, running=view.running, lockstep=view.lockstep,
+        ranks=view.ranks, counters=view.counters, waves_total=totals.waves_started,
         seconds_running=totals.seconds_running, seconds_paused=totals.seconds_paused,
-        wake_latencies_s=core.timeline.take_wake_latencies(),
-        watchdog=[alert.as_dict(now) for alert in core.watchdog.active],
-        recorder_tail=recorder_tail, all_ready=core.membership.all_ready(now=now),
-        state_json=group_state_to_builtins(core.group_state(now)),
-        policy=core.config.policy, prefix=prefix_view(core),
+        wake_latencies_s=wake_latencies_s or [], watchdog=view.watchdog,
+        recorder_tail=recorder_tail, all_ready=view.all_ready,
+        state_json=group_state_to_builtins(view.group), policy=view.policy,
+        prefix=view.prefix,
         decision_times=decisions.snapshot() if decisions is not None else ((), 0.0),
     )
 
@@ -184,6 +115,7 @@ class ObservedPusher:
         self._last = float("-inf")
         self._scheduled = False
         self._recorder_json: tuple[int, list[dict[str, object]]] = (0, [])
+        self._latency_cursor = 0
 
     def push(self, *, force: bool = False) -> None:
         """A snapshot now, or (if one went out less than ``MIN_INTERVAL_S`` ago and this is
@@ -199,8 +131,10 @@ class ObservedPusher:
         recorder = self._core.recorder
         if self._recorder_json[0] != recorder.recorded:
             self._recorder_json = (recorder.recorded, recorder.as_json())
+        # Each wake latency is handed on once: the cursor moves, the core does not change.
+        latencies, self._latency_cursor = self._core.wake_latencies_since(self._latency_cursor)
         self._update(observed_state(self._core, now, list(self._recorder_json[1]),
-                                    self._decisions))
+                                    self._decisions, latencies))
 
     def _deferred(self) -> None:
         self._scheduled = False

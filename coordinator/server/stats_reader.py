@@ -66,6 +66,7 @@ import zmq
 
 from coordinator.core.actions import Action
 from coordinator.core.coordinator import CoordinatorCore
+from coordinator.core.dispatch.balancer import step_snapshot, step_state_unchanged
 from coordinator.core.events import BadFrame
 from coordinator.protocol import vllm
 from coordinator.protocol.errors import ProtocolError
@@ -158,10 +159,11 @@ def _keep_what_snapshots_need(
 ) -> None:
     """Decode the held reports a lockstep step snapshot depends on; the rest stay out.
 
-    Replays the table's snapshot rule (``LoadTable.apply_stats``) over the batch's
-    marks. A held report may stay out only if it neither raises the step mark nor
-    finds the rows unchanged (then the mark, the changed flag and so every snapshot
-    decision are the same without it), and if it is not its engine's last report
+    Replays the table's snapshot rule (``balancer.step_snapshot``, the one that
+    ``LoadTable.apply_stats`` applies) over the batch's marks. A held report may stay
+    out only if it neither raises the step mark nor finds the rows unchanged (then the
+    mark, the changed flag and so every snapshot decision are the same without it
+    (``balancer.step_state_unchanged``)), and if it is not its engine's last report
     before the batch's last snapshot (which records that report's counts). No publish
     happens inside a batch, so the last snapshot is the only one that can be sent.
     """
@@ -170,7 +172,7 @@ def _keep_what_snapshots_need(
     for index in range(len(events)):
         mark = held.get(index)
         if mark is not None:
-            if changed and step_mark is not None and mark <= step_mark:
+            if step_state_unchanged(step_mark, changed, mark):
                 continue
             del held[index]
             events[index] = decode_frame(frames[index])  # type: ignore[arg-type]
@@ -178,10 +180,9 @@ def _keep_what_snapshots_need(
         if _applies(event, rank_range):
             stats = event.scheduler_stats  # type: ignore[union-attr]
             report_mark = (stats.current_wave, stats.step_counter)  # type: ignore[union-attr]
-            if step_mark is None or report_mark > step_mark:
-                if changed:
-                    last_snapshot = index
-                step_mark = report_mark
+            step_mark, taken = step_snapshot(step_mark, changed, report_mark)
+            if taken:
+                last_snapshot = index
             changed = True
     if last_snapshot <= 0 or not held:
         return

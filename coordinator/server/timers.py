@@ -18,11 +18,11 @@ import asyncio
 import contextlib
 import ctypes
 import ctypes.util
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from coordinator.core.actions import Action
 from coordinator.core.coordinator import CoordinatorCore
-from coordinator.core.events import TICK
+from coordinator.core.events import TICK, ServerCounters
 
 HOUSEKEEPING_INTERVAL_S = 0.25
 TRIM_EVERY = 4  # housekeeping rounds between two malloc_trim calls
@@ -61,12 +61,15 @@ class CoreTimer:
         clock: Callable[[], float],
         on_error: Callable[[str, BaseException], None],
         pokes: Callable[[], Iterable[Callable[[], None]]] = tuple,
+        server_counters: Callable[[], Mapping[str, int]] = dict,
     ) -> None:
         self._core = core
         self._execute = execute
         self._clock = clock
         self._on_error = on_error
         self._pokes = pokes
+        self._server_counters = server_counters
+        self._counters_fed: Mapping[str, int] = {}
         self._rearmed = asyncio.Event()
         self._next_housekeeping = 0.0
         self._rounds = 0
@@ -77,6 +80,11 @@ class CoreTimer:
     def tick(self) -> None:
         """Feed one ``Tick`` now; a bug in the core is counted and the timer goes on."""
         try:
+            counters = self._server_counters()
+            if counters != self._counters_fed:
+                # The server's own counters reach the core's views as an event.
+                self._counters_fed = counters
+                self._execute(self._core.handle(ServerCounters(dict(counters)), self._clock()))
             self._execute(self._core.handle(TICK, self._clock()))
         except Exception as exc:
             self._on_error("timer", exc)

@@ -4,9 +4,10 @@
 it carries out every action in order into plain lists, reports every send's
 outcome back to the core at once (``SendFailed`` for peers a test made
 unreachable, ``SendSucceeded`` for confirmed sends) and carries out what the
-core answers after the current actions, exactly as ``CoordinatorServer.execute``
-does. Helpers build the events that engines and frontends cause, and decode
-what the core sent back with the protocol package's decoders.
+core answers after the current actions, with the same ``core.runner.ActionRunner``
+that ``CoordinatorServer.execute`` uses, so the order lives in one place. Helpers
+build the events that engines and frontends cause, and decode what the core sent
+back with the protocol package's decoders.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from coordinator.core.events import (
     SendSucceeded,
 )
 from coordinator.core.persisted import SavedState
+from coordinator.core.runner import ActionRunner, Carrier
 from coordinator.protocol import frontend as fp
 from coordinator.protocol import vllm
 from coordinator.protocol.identity import rank_to_identity
@@ -91,7 +93,7 @@ class Driver:
     refreshes: int = 0
     failed_sends: list[SendFailed] = field(default_factory=list)
     kv_actions: list[KVSubscribe | KVUnsubscribe | KVRequestReplay] = field(default_factory=list)
-    _follow_ups: list[Action] = field(default_factory=list)
+    _runner: ActionRunner | None = None
     _calls: int = 0
 
     @classmethod
@@ -115,54 +117,53 @@ class Driver:
         return actions
 
     def execute(self, actions: Sequence[Action]) -> None:
-        while actions:
-            for action in actions:
-                self._run(action)
-            if not self._follow_ups:
-                return
-            actions, self._follow_ups = self._follow_ups, []
+        """Carry out ``actions`` with the server's own runner (``core.runner``)."""
+        if self._runner is None:
+            self._runner = ActionRunner(self.core, self._carriers(), lambda: self.now)
+        self._runner.run(actions)
 
-    def _report(self, event: Event) -> None:
-        if isinstance(event, SendFailed):
-            self.failed_sends.append(event)
-        self._follow_ups.extend(self.core.handle(event, self.now))
+    def _carriers(self) -> dict[type, Carrier]:
+        def record(into: list[Any]) -> Carrier:
+            def carry(action: Any) -> None:
+                into.append(action)
+            return carry
+        return {
+            Send: self._send, DispatchAdd: self._dispatch_add,
+            Publish: lambda a: self.publishes.append((a.socket, list(a.frames))),
+            Log: record(self.logs), SaveState: lambda a: self.saves.append(a.state),
+            SetLinger: lambda a: self.lingers.__setitem__(a.socket, a.linger_ms),
+            RefreshObserved: lambda a: self._count("refreshes"),
+            RearmTimer: lambda a: self._count("rearms"),
+            CloseConnection: lambda a: self.cut.append((a.socket, a.conn)),
+            KVSubscribe: self._kv_action, KVUnsubscribe: self._kv_action,
+            KVRequestReplay: self._kv_action,
+        }
 
-    def _run(self, action: Action) -> None:
-        if isinstance(action, Send):
-            if (action.socket, action.identity) in self.unreachable:
-                self._report(SendFailed(action, "unreachable"))
-                return
-            self.sends.append((action.socket, action.identity, list(action.frames)))
-            if action.confirm:
-                at = self.last_heard.get((action.socket, action.identity))
-                heard = None if at is None or not action.conn else self.now - at
-                self._report(SendSucceeded(action, heard))
-        elif isinstance(action, DispatchAdd):
-            if ("dispatch", action.engine) in self.unreachable:
-                self._report(SendFailed(action, "unreachable"))
-                return
-            self.sends.append(("dispatch", action.engine, [vllm.ADD, *action.payload]))
-            for then in action.wake:
-                self._run(then)
-            self._run(action.reply)
-        elif isinstance(action, Publish):
-            self.publishes.append((action.socket, list(action.frames)))
-        elif isinstance(action, Log):
-            self.logs.append(action)
-        elif isinstance(action, SaveState):
-            self.saves.append(action.state)
-        elif isinstance(action, SetLinger):
-            self.lingers[action.socket] = action.linger_ms
-        elif isinstance(action, RefreshObserved):
-            self.refreshes += 1
-        elif isinstance(action, RearmTimer):
-            self.rearms += 1
-        elif isinstance(action, CloseConnection):
-            self.cut.append((action.socket, action.conn))
-        elif isinstance(action, (KVSubscribe, KVUnsubscribe, KVRequestReplay)):
-            self.kv_actions.append(action)
-        else:  # pragma: no cover - a new action type must be handled here
-            raise AssertionError(f"unknown action {action!r}")
+    def _count(self, name: str) -> None:
+        setattr(self, name, getattr(self, name) + 1)
+
+    def _kv_action(self, action: KVSubscribe | KVUnsubscribe | KVRequestReplay) -> None:
+        self.kv_actions.append(action)
+
+    def _send(self, action: Send) -> Event | None:
+        if (action.socket, action.identity) in self.unreachable:
+            return self._failed(SendFailed(action, "unreachable"))
+        self.sends.append((action.socket, action.identity, list(action.frames)))
+        if action.confirm:
+            at = self.last_heard.get((action.socket, action.identity))
+            heard = None if at is None or not action.conn else self.now - at
+            return SendSucceeded(action, heard)
+        return None
+
+    def _dispatch_add(self, action: DispatchAdd) -> Event | None:
+        if ("dispatch", action.engine) in self.unreachable:
+            return self._failed(SendFailed(action, "unreachable"))
+        self.sends.append(("dispatch", action.engine, [vllm.ADD, *action.payload]))
+        return None
+
+    def _failed(self, event: SendFailed) -> SendFailed:
+        self.failed_sends.append(event)
+        return event
 
     # ---- engines ---------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from coordinator.core.events import (
     FrontendRequestReceived,
     HandshakeReceived,
     Restore,
+    ServerCounters,
     Shutdown,
     StateSaveFailed,
 )
@@ -56,7 +57,7 @@ def test_a_submit_goes_to_a_ready_rank_and_is_answered_once() -> None:
     assert isinstance(reply, fp.Submitted) and reply.request_id == "r1"
     assert driver.adds(reply.rank) == [[b"payload:r1"]]
     assert driver.replies(F0).count(reply) == 1
-    assert driver.core.requests.count(reply.rank) == 1
+    assert driver.core.dispatch.requests.count(reply.rank) == 1
 
 
 def test_max_in_flight_refuses_until_a_request_finishes() -> None:
@@ -68,7 +69,7 @@ def test_max_in_flight_refuses_until_a_request_finishes() -> None:
     assert isinstance(refused, fp.ErrorReply) and refused.request_id == "c"
     assert refused.message == ("2 requests in flight (frontends must send 'finished' for "
                                "completed requests)")
-    assert len(driver.core.requests) == 2
+    assert len(driver.core.dispatch.requests) == 2
     driver.request(F0, fp.Finished(["a"]))
     assert isinstance(driver.submit("c"), fp.Submitted)
     assert driver.core.counter_values()["submit.refused.too_many_in_flight"] == 1
@@ -81,7 +82,7 @@ def test_duplicate_request_id_is_refused_and_the_first_stays_where_it_went() -> 
     again = driver.submit("same", frontend=0)
     assert error_code(again) == fp.ERR_DUPLICATE_REQUEST
     assert sum(len(driver.adds(rank)) for rank in (0, 1)) == 1
-    entry = driver.core.requests.get("same")
+    entry = driver.core.dispatch.requests.get("same")
     assert entry is not None and entry.rank == first.rank
 
 
@@ -118,7 +119,7 @@ def test_explicit_dp_rank_refusals(rank: int, code: str, text: str) -> None:
     reply = driver.submit("r", rank=rank)
     assert isinstance(reply, fp.ErrorReply)
     assert (reply.code, reply.message) == (code, text)
-    assert driver.adds(rank) == [] and len(driver.core.requests) == 0
+    assert driver.adds(rank) == [] and len(driver.core.dispatch.requests) == 0
 
 
 def test_explicit_dp_rank_that_is_unreachable_is_refused_not_moved() -> None:
@@ -128,7 +129,7 @@ def test_explicit_dp_rank_that_is_unreachable_is_refused_not_moved() -> None:
     assert isinstance(reply, fp.ErrorReply)
     assert (reply.code, reply.message) == (fp.ERR_ENGINE_UNREACHABLE,
                                            "dp_rank=1 is not connected on dispatch")
-    assert driver.adds(0) == [] and len(driver.core.requests) == 0
+    assert driver.adds(0) == [] and len(driver.core.dispatch.requests) == 0
     assert "could not send on dispatch" in driver.log_text()
     # Identities are bytes a peer chose: logged as hex, not as a bytes repr.
     assert f"to {rank_to_identity(1).hex()} (peer gone" in driver.log_text()
@@ -143,8 +144,9 @@ def test_a_failed_dispatch_goes_to_the_next_best_rank_and_leaves_no_trace() -> N
     assert isinstance(reply, fp.Submitted) and reply.rank == 0
     assert [len(driver.adds(rank)) for rank in range(3)] == [1, 0, 0]
     core = driver.core
-    assert core.requests.per_rank() == {0: 1}
-    assert core.dispatched_by_rank[1] == 0 and core.loads.load(1).dispatched_since_report == 0
+    assert core.dispatch.requests.per_rank() == {0: 1}
+    assert core.dispatch.dispatched_by_rank[1] == 0
+    assert core.loads.load(1).dispatched_since_report == 0
     assert core.counter_values()["submit.dispatched"] == 1
     assert core.counter_values()["send_dropped.dispatch.unreachable"] == 1
 
@@ -156,7 +158,7 @@ def test_all_ranks_unreachable_is_refused_with_what_was_tried_and_the_wake_still
     reply = driver.submit("r")
     assert isinstance(reply, fp.ErrorReply) and reply.code == fp.ERR_ENGINE_UNREACHABLE
     assert reply.message.startswith("no ready engine is connected on dispatch (tried dp_rank [")
-    assert len(driver.core.requests) == 0
+    assert len(driver.core.dispatch.requests) == 0
     # The wave machine counted the wake as sent: it is sent, not lost.
     assert driver.wakes() == [(0, None)]
 
@@ -207,7 +209,7 @@ def test_max_frontends_refuses_new_indices_but_not_known_ones() -> None:
     assert (refused.code, refused.message) == (
         fp.ERR_BAD_CLIENT_INDEX, "client_index 2 is outside 0..1 (at most 2 frontends)")
     assert isinstance(driver.register(1), fp.Registered)
-    assert len(driver.core.frontends) == 2
+    assert len(driver.core.frontends.registry) == 2
 
 
 def test_client_index_beyond_expected_frontends_is_refused() -> None:
@@ -242,7 +244,7 @@ def test_without_expected_frontends_init_goes_at_once() -> None:
     driver.hello(0, engine_id="e0")
     (init,) = driver.handshake_replies(0)
     assert isinstance(init, vllm.EngineHandshakeMetadata) and init.addresses.outputs == []
-    assert driver.core.frontends.inits_sent
+    assert driver.core.frontends.registry.inits_sent
 
 
 def test_output_address_is_pinned_once_inits_went_out() -> None:
@@ -253,7 +255,7 @@ def test_output_address_is_pinned_once_inits_went_out() -> None:
     refused = driver.register(0, output="ipc:///run/c")
     assert isinstance(refused, fp.ErrorReply) and refused.code == fp.ERR_BAD_CLIENT_INDEX
     assert "registered with outputs at ipc:///run/b, which engines already use" in refused.message
-    peer = driver.core.frontends.get(0)
+    peer = driver.core.frontends.registry.get(0)
     assert peer is not None and peer.output_address == "ipc:///run/b"
 
 
@@ -262,7 +264,7 @@ def test_an_init_that_could_not_be_sent_pins_nothing() -> None:
     driver.unreachable.add(("handshake", rank_to_identity(0)))
     driver.register(0, output="ipc:///run/a")
     driver.hello(0)
-    assert not driver.core.frontends.inits_sent
+    assert not driver.core.frontends.registry.inits_sent
     assert isinstance(driver.register(0, output="ipc:///run/b"), fp.Registered)
 
 
@@ -303,7 +305,7 @@ def test_a_dead_ranks_requests_fail_to_the_frontend_that_sent_each() -> None:
     assert [n.request_ids for n in notices1] == [["b"]]
     assert notices0[0].rank == 0 and notices0[0].reason.startswith("engine disconnected")
     assert driver.core.membership.lease(0).state is RankState.DEAD  # type: ignore[union-attr]
-    assert len(driver.core.requests) == 0
+    assert len(driver.core.dispatch.requests) == 0
     counters = driver.core.counter_values()
     assert counters["requests.failed"] == 3 and counters["lease.dead"] == 1
 
@@ -347,7 +349,7 @@ def test_abort_goes_to_the_engine_holding_each_request() -> None:
         aborts = [f for f in driver.sent_to("dispatch", rank_to_identity(rank))
                   if f[0] == vllm.ABORT]
         assert [vllm.decode_abort(f[1]) for f in aborts] == [[rid]]
-    assert len(driver.core.requests) == 0
+    assert len(driver.core.dispatch.requests) == 0
 
 
 def test_state_query_reply() -> None:
@@ -437,7 +439,7 @@ def test_reports_out_of_range_are_dropped_and_counted() -> None:
     driver = group()
     driver.report(5, wave=3)
     assert driver.core.counter_values()["dropped.back_output.rank_out_of_range"] == 1
-    assert driver.core.waves.current_wave == 0
+    assert driver.core.waves.table.current_wave == 0
 
 
 def test_a_stale_report_is_counted_and_still_applied() -> None:
@@ -552,7 +554,7 @@ def test_resize_shrinks_and_grows_the_group_without_touching_the_settings() -> N
     assert core.membership.lease(2) is None and core.loads.size == 2
     failed = [r for r in driver.replies(F0) if isinstance(r, fp.RequestsFailed)]
     assert failed and failed[0].request_ids == ["on-2"]
-    assert core.gate.expected == 2
+    assert core.waves.gate.expected == 2
     registered = driver.register(1)
     assert isinstance(registered, fp.Registered) and registered.rank_count == 2
     driver.feed(vllm.ScaleElasticEP(4))
@@ -669,7 +671,7 @@ def test_a_lease_that_cannot_be_probed_expires_with_its_ttl() -> None:
 def test_the_watchdog_alerts_and_rewakes_a_silent_running_group() -> None:
     driver = group(watchdog_stall_s=2.0)
     driver.report(0, start_wave=0)
-    assert driver.core.waves.running
+    assert driver.core.waves.table.running
     wakes = len(driver.wakes())
     driver.tick(0.3)
     driver.tick(2.5)
@@ -697,8 +699,8 @@ def test_what_a_restart_needs_is_saved_once_per_event_and_restores() -> None:
     again = Driver.start(engines=2, persist=True, now=100.0)
     again.feed(Restore(saved, "/state.json"))
     core = again.core
-    assert core.waves.current_wave == 1 and core.gate.is_open
-    assert core.membership.dispatchable() == [0, 1] and core.frontends.inits_sent
+    assert core.waves.table.current_wave == 1 and core.waves.gate.is_open
+    assert core.membership.dispatchable() == [0, 1] and core.frontends.registry.inits_sent
     assert core.saved_state() == saved
     assert "restored from /state.json: wave 1, 2 registrations" in again.log_text()
 
@@ -707,7 +709,7 @@ def test_restore_warns_when_the_addresses_moved() -> None:
     driver = group(persist=True)
     saved = driver.core.saved_state()
     moved = Driver.start(engines=2)
-    moved.core.addresses["dispatch"] = "ipc:///elsewhere"
+    moved.core.frontends.addresses["dispatch"] = "ipc:///elsewhere"
     moved.feed(Restore(saved, "/s"))
     assert "bound elsewhere (dispatch)" in moved.log_text()
 
@@ -740,11 +742,15 @@ def test_dump_recorder_logs_every_event() -> None:
 
 def test_counters_kept_outside_the_core_are_merged_into_every_view() -> None:
     driver = group()
-    driver.core.extra_counters = lambda: {"refused.curve.unknown_key": 3}
+    assert not driver.feed(ServerCounters({"refused.curve.unknown_key": 3}))
     assert driver.core.counter_values()["refused.curve.unknown_key"] == 3
     (reply,) = driver.request(F0, fp.QueryState(driver.call_id()))
     assert isinstance(reply, fp.StateReply)
     assert reply.state.counters["refused.curve.unknown_key"] == 3
+    # The server's latest figures replace the earlier ones; the core's own stay.
+    driver.feed(ServerCounters({"refused.curve.unknown_key": 5}))
+    counters = driver.core.counter_values()
+    assert counters["refused.curve.unknown_key"] == 5 and counters["handshake.hello.accepted"] == 2
 
 
 def test_the_stats_entry_point_is_handle_without_the_lookup() -> None:
@@ -752,7 +758,7 @@ def test_the_stats_entry_point_is_handle_without_the_lookup() -> None:
     report = vllm.EngineReport(engine_index=1, start_wave=0)
     actions = driver.core.on_engine_report(report, driver.now)
     driver.execute(actions)
-    assert driver.wakes() == [(0, 1)] and driver.core.waves.running
+    assert driver.wakes() == [(0, 1)] and driver.core.waves.table.running
 
 
 def test_a_saved_registration_the_range_no_longer_has_is_skipped_with_a_warning() -> None:
@@ -781,5 +787,5 @@ def test_the_last_engine_subscriber_leaving_changes_nothing() -> None:
     before = driver.core.saved_state()
     driver.feed(ENGINE_UNSUBSCRIBED)
     driver.feed(FRONTEND_UNSUBSCRIBED)
-    assert driver.core.saved_state() == before and driver.core.gate.is_open
+    assert driver.core.saved_state() == before and driver.core.waves.gate.is_open
     assert "the last engine subscriber left back_publish" in driver.log_text()

@@ -31,7 +31,7 @@ def test_an_oversize_frontend_message_is_answered_too_large_with_its_call_id() -
     assert (reply.call_id, reply.code) == (12, fp.ERR_TOO_LARGE)
     assert "bound of 50 bytes" in reply.message
     assert driver.core.counter_values()["dropped.frontend.too_large"] == 1
-    assert len(driver.core.requests) == 0
+    assert len(driver.core.dispatch.requests) == 0
 
 
 def test_an_oversize_engine_message_is_counted_and_changes_nothing() -> None:
@@ -106,7 +106,7 @@ def test_the_admin_socket_is_an_operator_and_answers_on_itself() -> None:
     (refused,) = driver.operator(fp.Register(driver.call_id(), 1, "ipc:///run/x"))
     assert isinstance(refused, fp.ErrorReply) and refused.code == fp.ERR_BAD_FRAME
     assert "the admin socket takes only" in refused.message
-    assert len(driver.core.frontends) == 1
+    assert len(driver.core.frontends.registry) == 1
 
 
 def test_a_rank_out_of_range_gets_an_operators_message() -> None:
@@ -143,7 +143,7 @@ TTL = 30.0
 
 
 def frontends(driver: Driver) -> list[int]:
-    return [peer.client_index for peer in driver.core.frontends.peers()]
+    return [peer.client_index for peer in driver.core.frontends.registry.peers()]
 
 
 def advance(driver: Driver, until: float) -> None:
@@ -225,9 +225,9 @@ def test_an_expired_frontends_requests_are_forgotten_and_a_drain_completes() -> 
     driver = ready_group()
     driver.submit("r1", rank=1)
     driver.operator(fp.Admin(driver.call_id(), "drain", 1))
-    assert driver.core.requests.count(1) == 1
+    assert driver.core.dispatch.requests.count(1) == 1
     advance(driver, TTL + 1.0)
-    assert driver.core.requests.count(1) == 0
+    assert driver.core.dispatch.requests.count(1) == 0
     assert "(1 requests in flight from it forgotten)" in driver.log_text()
     assert "dp_rank=1 drained" in driver.log_text()
 

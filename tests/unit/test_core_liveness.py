@@ -141,7 +141,7 @@ def test_a_busy_engine_that_cannot_be_reached_is_kept_out_of_dispatch_not_killed
         driver.report(0, wave=0, running=1)
         driver.tick(at + 0.05)
     assert state(driver, 0) is RankState.READY and driver.core.membership.dispatchable() == [1]
-    assert isinstance(reply, fp.Submitted) and driver.core.requests.count(0) == 1
+    assert isinstance(reply, fp.Submitted) and driver.core.dispatch.requests.count(0) == 1
     driver.unreachable.clear()
     driver.tick(2.0)
     assert driver.core.membership.dispatchable() == [0, 1]
@@ -162,8 +162,9 @@ def test_a_stall_longer_than_the_ttl_condemns_nobody() -> None:
     # Judged again once the queued traffic is read; probes answer, nobody dies.
     driver.tick(30.0)
     assert driver.core.counter_values().get("lease.dead", 0) == 0
-    assert driver.core.requests.count(first.rank) + driver.core.requests.count(second.rank) == 2
-    assert driver.core.waves.running
+    requests = driver.core.dispatch.requests
+    assert requests.count(first.rank) + requests.count(second.rank) == 2
+    assert driver.core.waves.table.running
 
 
 # ---- dead is revisable ---------------------------------------------------------------------
@@ -184,7 +185,7 @@ def test_a_dead_rank_that_answers_again_is_revived_and_its_failed_requests_abort
     failed = [r for r in driver.replies(F0) if isinstance(r, fp.RequestsFailed)]
     assert [n.request_ids for n in failed] == [ids]
     # The other engines still run the wave: a death is no pause.
-    assert driver.core.waves.running
+    assert driver.core.waves.table.running
     driver.tick(4.0)
     assert state(driver, 0) is RankState.DEAD  # still unreachable: still dead
     driver.unreachable.clear()  # the partition healed; the engine reconnected

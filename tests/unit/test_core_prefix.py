@@ -17,6 +17,8 @@ from coordinator.core.events import (
     KVPublisherConnected,
     KVPublisherDisconnected,
     KVReplayEnded,
+    KVReplayUnsent,
+    KVSubscribeFailed,
 )
 from coordinator.core.kv.plane import KVSettings
 from coordinator.protocol import frontend as fp
@@ -78,7 +80,7 @@ def submit(driver: Driver, request_id: str, tokens: list[int], **fields: Any) ->
 
 
 def cached(driver: Driver, rank: int) -> int:
-    kv = driver.core.kv
+    kv = driver.core.kv.plane
     assert kv is not None and kv.index is not None
     return kv.index.blocks(rank)
 
@@ -117,11 +119,11 @@ def test_a_greeting_moves_the_subscription_to_the_engines_host_and_its_real_endp
 
 def test_a_greeting_teaches_the_block_size_and_an_unreachable_publisher_is_reported() -> None:
     driver = start(endpoint=None, replay=None, block_size=None)
-    assert driver.kv_actions == [] and driver.core.kv is not None
-    assert driver.core.kv.index is None
+    assert driver.kv_actions == [] and driver.core.kv.plane is not None
+    assert driver.core.kv.plane.index is None
     inproc = PublisherSettings(True, "zmq", "inproc://kv", None)
     driver.feed(EngineGreeted(0, kv=GreetingKV(32, inproc, 0)))
-    assert driver.core.kv.index is not None and driver.core.kv.index.block_size == 32
+    assert driver.core.kv.plane.index is not None and driver.core.kv.plane.index.block_size == 32
     assert driver.kv_actions == []
     assert driver.core.counter_values()["kv.unreachable_publishers"] == 1
     assert "inproc" in driver.log_text()
@@ -153,7 +155,7 @@ def test_an_endpoint_vllm_cannot_offset_is_followed_for_rank_0_only() -> None:
 def test_the_least_loaded_policy_follows_no_publisher_unless_told() -> None:
     driver = Driver.start(engines=2, policy="least-loaded")
     driver.start_group([0, 1])
-    assert driver.core.kv is None and driver.kv_actions == []
+    assert driver.core.kv.plane is None and driver.kv_actions == []
 
 
 # ---- routing by cache ---------------------------------------------------------------------------
@@ -253,7 +255,7 @@ def test_a_failed_dispatch_takes_its_cost_back_and_tries_the_next_rank() -> None
     driver.unreachable.add(("dispatch", (1).to_bytes(2, "little")))
     reply = submit(driver, "r", [*PROMPT, 1])
     assert isinstance(reply, fp.Submitted) and reply.rank == 0
-    router = driver.core.router
+    router = driver.core.dispatch.choice.router
     assert router is not None and router.token_load.pending(1) == 0
     assert router.token_load.pending(0) > 0
 
@@ -263,9 +265,9 @@ def test_an_explicit_rank_counts_an_estimate_of_its_work() -> None:
     (reply,) = driver.request(F0, fp.Submit(driver.call_id(), "e", 0, 1),
                               [add_payload("e", PROMPT, session_id="chat")])
     assert isinstance(reply, fp.Submitted) and reply.rank == 1
-    assert driver.core.router is not None
-    assert driver.core.router.sessions.rank_for("chat") == 1
-    router = driver.core.router
+    assert driver.core.dispatch.choice.router is not None
+    assert driver.core.dispatch.choice.router.sessions.rank_for("chat") == 1
+    router = driver.core.dispatch.choice.router
     assert router is not None and router.token_load.pending(1) > 0
     driver.report(1, wave=0, step=1)
     assert router.token_load.pending(1) == 0
@@ -320,7 +322,7 @@ def test_a_replay_that_never_ends_is_given_up_at_the_timer() -> None:
     driver = start()
     publish(driver, 0, 0, stored(PROMPT[:8]))
     publish(driver, 0, 5, stored([1, 2, 3, 4], first_hash=50))
-    plane = driver.core.kv
+    plane = driver.core.kv.plane
     assert plane is not None and plane.streams.next_deadline() == pytest.approx(1.0)
     assert driver.core.next_deadline() <= 1.0
     driver.tick(0.9)
@@ -330,6 +332,40 @@ def test_a_replay_that_never_ends_is_given_up_at_the_timer() -> None:
     counters = driver.core.counter_values()
     assert counters["kv.replays_timed_out"] == 1 and counters["kv.resets.replay_timeout"] == 1
     assert cached(driver, 0) == 1  # only the held batch, on an emptied index
+
+
+def test_a_replay_request_that_could_not_be_sent_is_given_up_without_waiting() -> None:
+    driver = start()
+    publish(driver, 0, 0, stored(PROMPT[:8]))
+    publish(driver, 0, 5, stored([1, 2, 3, 4], first_hash=50))  # a gap: a replay goes out
+    assert driver.kv_actions[-1] == KVRequestReplay(0, 1)
+    driver.feed(KVReplayUnsent(0, "Connection refused"))
+    driver.feed(KV_DRAIN)
+    plane = driver.core.kv.plane
+    assert plane is not None and plane.streams.next_deadline() is None
+    counters = driver.core.counter_values()
+    assert counters["kv.replay_request_failed"] == 1 and counters["kv.replays_unsent"] == 1
+    assert counters["kv.resets.replay_unavailable"] == 1
+    assert "kv.replays_timed_out" not in counters
+    assert cached(driver, 0) == 1  # only the held batch, on an emptied index
+    assert "cannot ask for a KV event replay: Connection refused" in driver.log_text()
+
+
+def test_a_subscription_that_could_not_be_made_is_not_believed() -> None:
+    driver = start()
+    driver.feed(KVSubscribeFailed(1, "tcp://127.0.0.1:5558", "cannot connect to it: bad"))
+    plane = driver.core.kv.plane
+    assert plane is not None and 1 not in plane.subscriptions and 1 not in plane.streams
+    assert driver.core.counter_values()["kv.subscribe_failed"] == 1
+    # Batches from there are not applied; the rank's next greeting tries again.
+    publish(driver, 1, 0, stored(PROMPT))
+    assert cached(driver, 1) == 0
+    driver.kv_actions.clear()
+    driver.feed(EngineGreeted(1, host="127.0.0.1"))
+    assert driver.kv_actions == [KVSubscribe(1, "tcp://127.0.0.1:5558", False,
+                                             "tcp://127.0.0.1:5658")]
+    publish(driver, 1, 0, stored(PROMPT))
+    assert cached(driver, 1) == 4
 
 
 def test_all_blocks_cleared_empties_the_rank() -> None:
@@ -408,7 +444,7 @@ def test_applying_is_paid_in_bounded_slices() -> None:
     kv = KVSettings(endpoint="tcp://*:5557", block_size=BLOCK, apply_budget_blocks=3)
     driver = Driver.start(engines=1, policy="prefix", kv=kv)
     driver.feed(KVBatchReceived(0, 0, batch(stored(list(range(40))))))  # ten blocks
-    plane = driver.core.kv
+    plane = driver.core.kv.plane
     assert plane is not None and plane.pending_blocks == 10
     driver.feed(KV_DRAIN)
     assert cached(driver, 0) == 3 and plane.pending_blocks == 7
@@ -424,7 +460,7 @@ def test_queued_batches_of_an_emptied_index_are_dropped() -> None:
     driver.unreachable.add(("dispatch", (0).to_bytes(2, "little")))
     driver.hello(0)  # a restarted rank 0, its old connection gone
     driver.feed(KV_DRAIN)
-    plane = driver.core.kv
+    plane = driver.core.kv.plane
     assert plane is not None and plane.pending_blocks == 0
     assert cached(driver, 0) == 0
 

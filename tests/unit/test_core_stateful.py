@@ -150,7 +150,7 @@ class CoreGroup(RuleBasedStateMachine):
                 reply = vllm.decode_handshake_reply(frames[0])
                 if isinstance(reply, vllm.EngineHandshakeMetadata):
                     # INIT never goes out before the expected frontends registered.
-                    assert len(self.core.frontends) >= self.expected
+                    assert len(self.core.frontends.registry) >= self.expected
             elif socket == "frontend":
                 message = fp.decode_reply(frames[0])
                 if isinstance(message, fp.RequestsFailed):
@@ -164,7 +164,7 @@ class CoreGroup(RuleBasedStateMachine):
                     event("drain notice")
                     lease = self.core.membership.lease(message.rank)
                     assert lease is not None and lease.state is RankState.DRAINING
-                    assert self.core.requests.count(message.rank) == 0
+                    assert self.core.dispatch.requests.count(message.rank) == 0
         self.seen.sends = len(driver.sends)
         for socket, frames in driver.publishes[self.seen.publishes:]:
             if socket == "back_publish":
@@ -231,7 +231,7 @@ class CoreGroup(RuleBasedStateMachine):
     @rule()
     def expected_frontends_register(self) -> None:
         for index in range(max(self.expected, 1)):
-            if self.core.frontends.get(index) is None:
+            if self.core.frontends.registry.get(index) is None:
                 self.driver.register(index, identity=self.connection(index),
                                      output=f"ipc:///out-{index}")
 
@@ -263,7 +263,7 @@ class CoreGroup(RuleBasedStateMachine):
         rank = data.draw(st.integers(0, self.ranks - 1))
         if not self.live(self.engines[rank]):
             return
-        current = self.core.waves.current_wave
+        current = self.core.waves.table.current_wave
         wave = data.draw(st.integers(max(0, current - 1), current + 1))
         kind = data.draw(st.sampled_from(["stats", "start_wave", "wave_complete"]))
         if kind == "stats":
@@ -313,14 +313,14 @@ class CoreGroup(RuleBasedStateMachine):
         if reconnect and index in self.frontend_connections:
             self.frontend_connections[index] = bytes([0, 0xFE, index, len(self.driver.sends) % 250])
         output = f"ipc:///out-{index}" + ("-moved" if moved else "")
-        previous = self.core.frontends.get(index)
+        previous = self.core.frontends.registry.get(index)
         reply = self.driver.register(index, identity=self.connection(index), output=output)
-        current = self.core.frontends.get(index)
+        current = self.core.frontends.registry.get(index)
         if isinstance(reply, fp.Registered):
             assert current is not None and current.output_address == output
         else:
             assert current == previous  # a refusal changes nothing
-        if previous is not None and self.core.frontends.inits_sent:
+        if previous is not None and self.core.frontends.registry.inits_sent:
             # Engines learnt this address: it never moves after an INIT went out.
             assert current is not None and current.output_address == previous.output_address
 
@@ -330,7 +330,7 @@ class CoreGroup(RuleBasedStateMachine):
             self.submit_one(data)
 
     def submit_one(self, data: st.DataObject) -> None:
-        registered = [peer.client_index for peer in self.core.frontends.peers()]
+        registered = [peer.client_index for peer in self.core.frontends.registry.peers()]
         if not registered:
             return
         index = data.draw(st.sampled_from(registered))
@@ -342,11 +342,11 @@ class CoreGroup(RuleBasedStateMachine):
             self.next_request += 1
         explicit = data.draw(st.none() | st.integers(0, self.ranks))
         wave = data.draw(st.sampled_from([0, self.seen.max_published_wave,
-                                          self.core.waves.current_wave + 1]))
+                                          self.core.waves.table.current_wave + 1]))
         dispatchable = set(self.core.membership.dispatchable())
-        ledger_before = dict(self.core.requests.per_rank())
+        ledger_before = dict(self.core.dispatch.requests.per_rank())
         failed_before = len(self.driver.failed_sends)
-        identity = self.core.frontends.get(index).identity  # type: ignore[union-attr]
+        identity = self.core.frontends.registry.get(index).identity  # type: ignore[union-attr]
         replies = self.driver.request(identity, fp.Submit(self.driver.call_id(), request_id,
                                                           wave, explicit,
                                                           self.prompt_keys(data)),
@@ -369,7 +369,7 @@ class CoreGroup(RuleBasedStateMachine):
             self.requests[request_id] = Request(answer.rank, index)
         else:
             assert answer.code in SUBMIT_CODES, answer
-            assert self.core.requests.per_rank() == ledger_before
+            assert self.core.dispatch.requests.per_rank() == ledger_before
 
     @rule(data=st.data(), abort=st.booleans())
     def frontend_ends_a_request(self, data: st.DataObject, abort: bool) -> None:
@@ -378,7 +378,7 @@ class CoreGroup(RuleBasedStateMachine):
             return
         request_id = data.draw(st.sampled_from(in_flight))
         request = self.requests[request_id]
-        peer = self.core.frontends.get(request.frontend)
+        peer = self.core.frontends.registry.get(request.frontend)
         assert peer is not None
         if abort:
             replies = self.driver.request(peer.identity,
@@ -398,11 +398,11 @@ class CoreGroup(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def frontend_heartbeats(self, data: st.DataObject) -> None:
-        registered = [peer.client_index for peer in self.core.frontends.peers()]
+        registered = [peer.client_index for peer in self.core.frontends.registry.peers()]
         if not registered:
             return
         index = data.draw(st.sampled_from(registered))
-        identity = self.core.frontends.get(index).identity  # type: ignore[union-attr]
+        identity = self.core.frontends.registry.get(index).identity  # type: ignore[union-attr]
         (reply,) = self.driver.request(identity, fp.Heartbeat(self.driver.call_id(), index))
         assert isinstance(reply, fp.Alive)
 
@@ -419,9 +419,9 @@ class CoreGroup(RuleBasedStateMachine):
 
     def tick(self, now: float) -> None:
         """The timer; a frontend registration it expired takes its requests with it."""
-        before = {peer.client_index for peer in self.core.frontends.peers()}
+        before = {peer.client_index for peer in self.core.frontends.registry.peers()}
         self.driver.tick(now)
-        gone = before - {peer.client_index for peer in self.core.frontends.peers()}
+        gone = before - {peer.client_index for peer in self.core.frontends.registry.peers()}
         if gone:
             event("a frontend registration expired")
         for request in self.requests.values():
@@ -480,7 +480,7 @@ class CoreGroup(RuleBasedStateMachine):
 
     @invariant()
     def the_wave_never_goes_back(self) -> None:
-        wave = self.core.waves.current_wave
+        wave = self.core.waves.table.current_wave
         assert wave >= self.seen.max_wave
         self.seen.max_wave = wave
 
@@ -500,10 +500,10 @@ class CoreGroup(RuleBasedStateMachine):
         # Believing in a wake that never left would suppress the next one, and the relay
         # of an engine's start, leaving the woken group short of peers.
         self.check_new_output()
-        pending = self.core.waves.wake_pending_for
+        pending = self.core.waves.table.wake_pending_for
         if pending is None:
             return
-        held = self.core.gate.held_wake
+        held = self.core.waves.gate.held_wake
         if held is not None and vllm.decode_start_dp_wave(held) == (pending, None):
             return
         assert any(wave == pending for wave, _, _ in self.seen.wakes), (pending, self.seen.wakes)
@@ -514,22 +514,22 @@ class CoreGroup(RuleBasedStateMachine):
         open_requests = {rid: r for rid, r in self.requests.items() if not r.ended}
         per_rank: dict[int, int] = {}
         for rid, request in open_requests.items():
-            entry = core.requests.get(rid)
+            entry = core.dispatch.requests.get(rid)
             assert entry is not None and entry.rank == request.rank, rid
             per_rank[request.rank] = per_rank.get(request.rank, 0) + 1
-        assert len(core.requests) == len(open_requests)
-        assert core.requests.per_rank() == per_rank
+        assert len(core.dispatch.requests) == len(open_requests)
+        assert core.dispatch.requests.per_rank() == per_rank
 
     @invariant()
     def registrations_are_bounded(self) -> None:
-        assert len(self.core.frontends) <= max(self.expected, MAX_FRONTENDS)
+        assert len(self.core.frontends.registry) <= max(self.expected, MAX_FRONTENDS)
 
     @invariant()
     def nothing_in_flight_on_a_dead_rank(self) -> None:
         for rank in range(self.ranks):
             lease = self.core.membership.lease(rank)
             if lease is None or lease.state is RankState.DEAD:
-                assert self.core.requests.count(rank) == 0
+                assert self.core.dispatch.requests.count(rank) == 0
 
     @invariant()
     def dispatchable_ranks_are_ready_and_greeted(self) -> None:
@@ -542,7 +542,7 @@ class CoreGroup(RuleBasedStateMachine):
     def the_state_file_follows(self) -> None:
         saves = self.driver.saves
         if saves:
-            assert saves[-1].wave <= self.core.waves.current_wave
+            assert saves[-1].wave <= self.core.waves.table.current_wave
             assert saves[-1].version == 1
 
 
@@ -610,7 +610,7 @@ class PrefixCoreGroup(CoreGroup):
 
     @invariant()
     def a_gone_rank_holds_nothing_in_the_index(self) -> None:
-        kv = self.core.kv
+        kv = self.core.kv.plane
         assert kv is not None and kv.index is not None
         for rank in range(self.ranks):
             lease = self.core.membership.lease(rank)

@@ -191,6 +191,21 @@ def test_a_replay_without_an_answer_is_given_up_at_its_deadline() -> None:
     assert replay(machine, 1, 2) == []  # a late answer is stale
 
 
+def test_a_replay_that_could_not_be_asked_is_given_up_at_once() -> None:
+    machine = streams(replay_timeout_s=1.0)
+    live(machine, 0)
+    live(machine, 3, 4, now=5.0)  # a replay from 1 is out, 3 and 4 are held
+    assert machine.replay_unsent(R, 5.0) == [ResetIndex("replay_unavailable"),
+                                              Apply(3, "b3"), Apply(4, "b4")]
+    assert machine.view(R) == ("live", 5, 0)
+    assert machine.next_deadline() is None  # nothing is waited out
+    assert machine.counters.replays_unsent == 1 and machine.counters.replays_timed_out == 0
+    # Only a replay that is out can be given up: in LIVE or SYNC the report changes nothing.
+    assert machine.replay_unsent(R, 5.0) == []
+    assert machine.counters.replays_unsent == 1
+    assert streams().replay_unsent(R, 0.0) == []
+
+
 def test_a_given_up_replay_applies_only_the_last_unbroken_run_of_held_batches() -> None:
     machine = streams(replay_timeout_s=1.0)
     live(machine, 0)

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from coordinator.core.observe.recorder import (
     KIND_MEMBERSHIP,
     KIND_WAVE,
+    LATENCY_WINDOW,
     FlightRecorder,
     RecordedEvent,
     WaveTimeline,
@@ -180,12 +181,26 @@ def test_timeline_measures_wake_latency_once() -> None:
     tl.wake_sent(3, 10.5)  # the first wake of a wave is what the latency starts from
     assert tl.observe(3, False, 10.6) is None
     assert tl.observe(3, True, 10.75) == pytest.approx(0.75)
-    assert tl.take_wake_latencies() == [pytest.approx(0.75)]
-    assert tl.take_wake_latencies() == []
+    latencies, cursor = tl.wake_latencies_since(0)
+    assert latencies == [pytest.approx(0.75)] and cursor == 1
+    # Reading is a query: the same cursor reads the same latencies again.
+    assert tl.wake_latencies_since(0) == (latencies, 1)
+    assert tl.wake_latencies_since(cursor) == ([], 1)
     tl.wake_sent(3, 11.0)  # already running this wave: nothing to time
     tl.observe(4, False, 12.0)
     assert tl.observe(4, True, 13.0) is None
-    assert tl.take_wake_latencies() == []
+    assert tl.wake_latencies_since(cursor) == ([], 1)
+
+
+def test_a_reader_that_falls_behind_gets_the_newest_latencies_only() -> None:
+    tl = WaveTimeline(now=0.0)
+    for wave in range(LATENCY_WINDOW + 10):
+        tl.wake_sent(wave, float(wave))
+        tl.observe(wave, True, wave + 0.5)
+        tl.observe(wave + 1, False, wave + 0.75)
+    latencies, cursor = tl.wake_latencies_since(0)
+    assert len(latencies) == LATENCY_WINDOW and cursor == LATENCY_WINDOW + 10
+    assert latencies == [pytest.approx(0.5)] * LATENCY_WINDOW
 
 
 def test_timeline_forgets_wakes_for_waves_passed_by() -> None:
@@ -194,7 +209,7 @@ def test_timeline_forgets_wakes_for_waves_passed_by() -> None:
     tl.observe(7, True, 2.0)  # an engine started a later wave; wave 5's wake is moot
     tl.observe(8, False, 3.0)
     assert tl.observe(5, True, 4.0) is None  # cannot happen in practice; proves it was dropped
-    assert tl.take_wake_latencies() == []
+    assert tl.wake_latencies_since(0) == ([], 0)
 
 
 def test_timeline_ignores_a_clock_going_back() -> None:

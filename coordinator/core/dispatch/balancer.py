@@ -105,6 +105,26 @@ def is_stale_report(last: tuple[int, int] | None, wave: int, step: int) -> bool:
     return step < last_step
 
 
+StepMark = tuple[int, int]
+
+
+def step_snapshot(step_mark: StepMark | None, changed: bool,
+                  mark: StepMark) -> tuple[StepMark, bool]:
+    """The lockstep step rule: the step mark after a report marked ``mark`` (its
+    ``(wave, step)``), and whether that report takes a snapshot (it raises the mark
+    while the rows hold unpublished changes). ``LoadTable.apply_stats`` applies it,
+    and a batched reader replays it to know which reports it may skip."""
+    if step_mark is None or mark > step_mark:
+        return mark, changed
+    return step_mark, False
+
+
+def step_state_unchanged(step_mark: StepMark | None, changed: bool, mark: StepMark) -> bool:
+    """Whether a report marked ``mark`` leaves the step mark, the changed flag and so
+    every later snapshot decision exactly as they are (see ``step_snapshot``)."""
+    return changed and step_mark is not None and mark <= step_mark
+
+
 class LoadTable:
     """Rows of load for global DP ranks `[0, size)`, plus the step snapshot."""
 
@@ -165,11 +185,10 @@ class LoadTable:
         mark = (wave, step)
         stale = is_stale_report(row.last_step, wave, step)
         snapshot_taken = False
-        if lockstep and (self._step_mark is None or mark > self._step_mark):
-            if self._changed:
+        if lockstep:
+            self._step_mark, snapshot_taken = step_snapshot(self._step_mark, self._changed, mark)
+            if snapshot_taken:
                 self._snapshot = {}
-                snapshot_taken = True
-            self._step_mark = mark
         snapshot = self._snapshot
         if snapshot is not None and rank not in snapshot:
             snapshot[rank] = self._published[rank]

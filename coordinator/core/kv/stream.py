@@ -53,7 +53,8 @@ Replies. A replay that does not end within ``replay_timeout_s`` is given up:
 the index is reset and the last unbroken run of held batches is applied. A replay that ends
 with a hole left among the held batches (or with batches dropped while
 holding) is asked again from ``expected``, up to ``max_replay_rounds`` times in
-a row, then given up the same way. Replay messages that come when no replay
+a row, then given up the same way. A replay request that could not even be sent
+is given up at once, the same way. Replay messages that come when no replay
 is out are stale (the answer to one given up) and skipped.
 
 Resets from outside. A rank that dies or is replaced, or whose publisher
@@ -115,6 +116,7 @@ DEFAULT_MAX_REPLAY_ROUNDS = 3
 CAUSE_GAP = "gap"
 CAUSE_REPLAY_INCOMPLETE = "replay_incomplete"
 CAUSE_REPLAY_TIMEOUT = "replay_timeout"
+CAUSE_REPLAY_UNAVAILABLE = "replay_unavailable"
 CAUSE_PUBLISHER_RESTART = "publisher_restart"
 CAUSE_BAD_BATCH = "bad_batch"
 
@@ -135,6 +137,7 @@ class StreamInput(enum.Enum):
     REPLAYED_AHEAD = "replayed_ahead"  # a replayed batch past ``expected``: the buffer lost some
     REPLAY_END = "replay_end"  # the replay's end marker
     REPLAY_TIMEOUT = "replay_timeout"  # no end marker within ``replay_timeout_s``
+    REPLAY_UNSENT = "replay_unsent"  # the replay request could not be sent at all
     BAD_LIVE = "bad_live"  # a live batch whose seq reads but whose payload does not
     BAD_REPLAYED = "bad_replayed"  # the same, in a replay answer
     CONNECTED = "connected"  # the connection to the publisher came up, with a replay endpoint
@@ -172,6 +175,7 @@ STREAM: Mapping[tuple[StreamState, StreamInput], tuple[StreamState, StreamStep]]
     (_S.SYNC, _I.REPLAYED_AHEAD): (_S.SYNC, _P.SKIP),
     (_S.SYNC, _I.REPLAY_END): (_S.SYNC, _P.SKIP),
     (_S.SYNC, _I.REPLAY_TIMEOUT): (_S.SYNC, _P.SKIP),
+    (_S.SYNC, _I.REPLAY_UNSENT): (_S.SYNC, _P.SKIP),
     (_S.SYNC, _I.BAD_LIVE): (_S.LIVE, _P.RESET_SKIP),
     (_S.SYNC, _I.BAD_REPLAYED): (_S.SYNC, _P.SKIP),
     (_S.SYNC, _I.CONNECTED): (_S.REPLAYING, _P.CATCH_UP),
@@ -186,6 +190,7 @@ STREAM: Mapping[tuple[StreamState, StreamInput], tuple[StreamState, StreamStep]]
     (_S.LIVE, _I.REPLAYED_AHEAD): (_S.LIVE, _P.SKIP),
     (_S.LIVE, _I.REPLAY_END): (_S.LIVE, _P.SKIP),
     (_S.LIVE, _I.REPLAY_TIMEOUT): (_S.LIVE, _P.SKIP),
+    (_S.LIVE, _I.REPLAY_UNSENT): (_S.LIVE, _P.SKIP),
     (_S.LIVE, _I.BAD_LIVE): (_S.LIVE, _P.RESET_SKIP),
     (_S.LIVE, _I.BAD_REPLAYED): (_S.LIVE, _P.SKIP),
     (_S.LIVE, _I.CONNECTED): (_S.REPLAYING, _P.CATCH_UP),
@@ -200,6 +205,7 @@ STREAM: Mapping[tuple[StreamState, StreamInput], tuple[StreamState, StreamStep]]
     (_S.REPLAYING, _I.REPLAYED_AHEAD): (_S.REPLAYING, _P.RESET_APPLY),
     (_S.REPLAYING, _I.REPLAY_END): (_S.LIVE, _P.FINISH),
     (_S.REPLAYING, _I.REPLAY_TIMEOUT): (_S.LIVE, _P.GIVE_UP),
+    (_S.REPLAYING, _I.REPLAY_UNSENT): (_S.LIVE, _P.GIVE_UP),
     # The replay (or the next round, if it was published after) brings that
     # batch again, and its bad copy from the replay decides.
     (_S.REPLAYING, _I.BAD_LIVE): (_S.REPLAYING, _P.SKIP),
@@ -246,6 +252,7 @@ class StreamCounters:
     replays_filled: int = 0  # replays that ended with nothing missing
     replays_incomplete: int = 0  # the publisher's buffer no longer had what was asked
     replays_timed_out: int = 0
+    replays_unsent: int = 0  # replay requests the subscriber could not send
     publisher_restarts: int = 0
     bad_batches: int = 0
     dropped_held: int = 0  # live batches dropped while ``max_held`` were held
@@ -442,6 +449,20 @@ class KVStreams(Generic[Batch]):
             self._replaying.discard(rank)
             out.append((rank, self._give_up(entry, CAUSE_REPLAY_TIMEOUT)))
         return out
+
+    def replay_unsent(self, rank: int, now: float) -> list[Effect[Batch]]:
+        """The replay just asked of ``rank`` could not be requested (its endpoint refused
+        the connection, say): no answer will come, so it is given up now rather than
+        waited out, exactly as a timeout gives it up."""
+        entry = self._ranks.get(rank)
+        if entry is None:
+            return []
+        entry.state, step = STREAM[entry.state, StreamInput.REPLAY_UNSENT]
+        if step is StreamStep.SKIP:
+            return []
+        self.counters.replays_unsent += 1
+        self._replaying.discard(rank)
+        return self._give_up(entry, CAUSE_REPLAY_UNAVAILABLE)
 
     # ---- the rows ------------------------------------------------------------------------------
 

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from typing import Final
 
 DEFAULT_CAPACITY: Final = 1000
+# Wake latencies kept for readers of the histogram (a reader polls every 0.25 s).
+LATENCY_WINDOW: Final = 4096
 
 # Event kinds the server records. Any short string is accepted; these are the
 # ones tools and tests look for.
@@ -219,7 +221,9 @@ class WaveTimeline:
         self._seconds_running = 0.0
         self._seconds_paused = 0.0
         self._wake_sent_at: dict[int, float] = {}
-        self._latencies: list[float] = []
+        # The newest latencies, numbered: readers keep a cursor, so reading changes nothing.
+        self._latencies: deque[float] = deque(maxlen=LATENCY_WINDOW)
+        self._latencies_seen = 0
 
     def wake_sent(self, wave: int, now: float) -> None:
         """The coordinator woke the group for ``wave``; the first such wake times it."""
@@ -239,6 +243,7 @@ class WaveTimeline:
             if sent_at is not None:
                 latency = max(0.0, now - sent_at)
                 self._latencies.append(latency)
+                self._latencies_seen += 1
         # A wake for a wave the group has already passed can never be answered.
         for pending in [w for w in self._wake_sent_at if w < wave]:
             del self._wake_sent_at[pending]
@@ -251,10 +256,18 @@ class WaveTimeline:
         paused = self._seconds_paused + (0.0 if self._running else elapsed)
         return WaveTotals(self._waves_started, running, paused)
 
-    def take_wake_latencies(self) -> list[float]:
-        """Latencies measured since the previous call (for a histogram)."""
-        taken, self._latencies = self._latencies, []
-        return taken
+    def wake_latencies_since(self, cursor: int) -> tuple[list[float], int]:
+        """Latencies measured after ``cursor`` (0 at first) and the cursor to pass next.
+
+        A query: nothing changes. Only the newest ``LATENCY_WINDOW`` are kept, so a
+        reader that falls further behind gets those (its histogram misses the rest).
+        """
+        seen = self._latencies_seen
+        fresh = min(seen - cursor, len(self._latencies))
+        if fresh <= 0:
+            return [], seen
+        latencies = self._latencies
+        return [latencies[i] for i in range(len(latencies) - fresh, len(latencies))], seen
 
     def _accumulate(self, now: float) -> None:
         elapsed = max(0.0, now - self._since)

@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-from collections import Counter
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -42,6 +40,8 @@ from coordinator.core.events import (
     KVPublisherConnected,
     KVPublisherDisconnected,
     KVReplayEnded,
+    KVReplayUnsent,
+    KVSubscribeFailed,
 )
 from coordinator.protocol.addresses import is_ipv6_tcp
 from coordinator.protocol.errors import ProtocolError
@@ -52,7 +52,6 @@ from coordinator.protocol.kv_events import (
     decode_seq,
     encode_replay_request,
 )
-from coordinator.server.transport import RateLimitedLog
 
 LIVE_HWM: Final = 10_000
 REPLAY_HWM: Final = 25_000
@@ -340,42 +339,39 @@ class KVEventsPlane:
 
 
 def kv_action_runners(
-    plane: Callable[[], KVEventsPlane | None], counters: Counter[str], ratelog: RateLimitedLog,
-) -> dict[type, Callable[[Any], None]]:
-    """The server's runners for the core's KV actions, on ``plane()`` (None: nothing to do).
+    plane: Callable[[], KVEventsPlane | None],
+) -> dict[type, Callable[[Any], Event | None]]:
+    """The server's carriers for the core's KV actions, on ``plane()`` (None: nothing to do).
 
-    A subscription or replay request that fails (an address in use, a bad one) is
-    logged at a rate limit and counted (``kv.subscribe_failed``,
-    ``kv.replay_request_failed``); the rank is then not followed, or its replay
-    not asked, and the core's stream machine carries on as with any loss.
+    A subscription or replay request that fails (an address in use, a bad one) comes
+    back to the core as ``KVSubscribeFailed`` / ``KVReplayUnsent``, which decides
+    what follows (the rank is not followed; the replay is given up).
     """
 
-    def subscribe(action: KVSubscribe) -> None:
+    def subscribe(action: KVSubscribe) -> Event | None:
         current = plane()
         if current is None:
-            return
+            return None
         try:
             current.subscribe(action)
         except zmq.ZMQError as exc:
-            counters["kv.subscribe_failed"] += 1
-            ratelog.log(logging.ERROR, f"kv-subscribe:{action.rank}",
-                        "dp_rank=%d: cannot %s %s for its KV events: %s", action.rank,
-                        "bind" if action.bind else "connect to", action.address, exc)
+            how = "bind" if action.bind else "connect to"
+            return KVSubscribeFailed(action.rank, action.address, f"cannot {how} it: {exc}")
+        return None
 
     def unsubscribe(action: KVUnsubscribe) -> None:
         current = plane()
         if current is not None:
             current.unsubscribe(action.rank)
 
-    def request_replay(action: KVRequestReplay) -> None:
+    def request_replay(action: KVRequestReplay) -> Event | None:
         current = plane()
         if current is None:
-            return
+            return None
         try:
             current.request_replay(action)
         except zmq.ZMQError as exc:
-            counters["kv.replay_request_failed"] += 1
-            ratelog.log(logging.ERROR, f"kv-replay:{action.rank}",
-                        "dp_rank=%d: cannot ask for a KV event replay: %s", action.rank, exc)
+            return KVReplayUnsent(action.rank, str(exc))
+        return None
 
     return {KVSubscribe: subscribe, KVUnsubscribe: unsubscribe, KVRequestReplay: request_replay}
