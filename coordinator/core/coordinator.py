@@ -143,7 +143,8 @@ class CoordinatorCore:
         self.recorder = FlightRecorder(config.recorder_size)
         self.journal = Journal(self.recorder, self._wave_snapshot)
         counters = self.journal.counters
-        self.waves = WaveHandlers(config, self.journal, self.span, self.schedule, now=now)
+        self.waves = WaveHandlers(config, self.journal, self.span, self.schedule,
+                                  lambda: self.ranks.all_dead(), now=now)
         self.ranks = RankHandlers(config, self.journal, self.span, self, now=now)
         self.kv = KVHandlers(config.kv, counters, self.span)
         choice = RankChoice(config, counters, self.span, self.ranks.membership, rng,

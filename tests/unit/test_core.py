@@ -680,6 +680,27 @@ def test_the_watchdog_alerts_and_rewakes_a_silent_running_group() -> None:
     assert "WATCHDOG:" in driver.log_text() and "flight recorder" in driver.log_text()
 
 
+def test_the_watchdog_blames_no_collective_when_every_rank_is_dead() -> None:
+    driver = group(watchdog_stall_s=2.0, lease_ttl_s=1.0)
+    driver.report(0, start_wave=0)
+    assert driver.core.waves.table.running
+    for rank in (0, 1):
+        driver.unreachable.add(("dispatch", rank_to_identity(rank)))
+    t = 0.0
+    while t < 5.0 and not driver.core.ranks.all_dead():
+        t += 0.25
+        driver.tick(t)
+    assert driver.core.ranks.all_dead(), driver.core.group_state(t)
+    wakes = len(driver.wakes())
+    for _ in range(40):  # ten seconds, five times the stall time
+        t += 0.25
+        driver.tick(t)
+    counters = driver.core.counter_values()
+    assert "watchdog.no_progress" not in counters and "watchdog.rewakes" not in counters
+    assert driver.wakes()[wakes:] == [] and "WATCHDOG:" not in driver.log_text()
+    assert "dp_rank=0 is gone" in driver.log_text()
+
+
 # ---- state file ----------------------------------------------------------------------------
 
 

@@ -38,6 +38,7 @@ from coordinator.core.ranks.membership import (
     Membership,
     ProbeHolder,
     RankChanged,
+    RankState,
     Refused,
 )
 from coordinator.core.ranks.span import RankSpan
@@ -93,6 +94,12 @@ class RankHandlers:
         self._heard_within_s = liveness.heard_within_s(config.lease_ttl_s)
         self.lease_interval_s = liveness.check_interval_s(config.lease_ttl_s)
         self.next_lease_check = now + self.lease_interval_s
+
+    def all_dead(self) -> bool:
+        """Every rank of the group has a lease, and each is DEAD: nothing of the group is
+        left to step (a rank without a lease, known only from its stats, may be)."""
+        membership = self.membership
+        return all(membership.state(rank) is RankState.DEAD for rank in self._span.range)
 
     # ---- the handshake -----------------------------------------------------------------
 

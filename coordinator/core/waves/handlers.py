@@ -17,7 +17,7 @@ the ADD, so that the chosen engine holds its request before its peers step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from logging import DEBUG, ERROR, INFO, WARNING
 
 from coordinator.core.actions import REARM_TIMER, Action, Publish
@@ -37,8 +37,10 @@ class WaveHandlers:
     """The wave table, the gate and the watchdog, and what their decisions send."""
 
     def __init__(self, config: CoreConfig, journal: Journal, span: RankSpan,
-                 schedule: PublishSchedule, *, now: float) -> None:
+                 schedule: PublishSchedule, all_dead: Callable[[], bool], *,
+                 now: float) -> None:
         self._config = config
+        self._all_dead = all_dead
         self._journal = journal
         self._span = span
         self._schedule = schedule
@@ -177,8 +179,11 @@ class WaveHandlers:
                    rank=None)
         config = self._config
         wave, running = self.table.snapshot()
-        self.watchdog.observe_group(running=running and config.lockstep, wave=wave,
-                                    ranks=self._span.range, now=now)
+        # A group whose every rank is dead cannot hang in a collective: it is gone, which
+        # the rank-dead logs and alerts say; a re-wake would reach nobody.
+        running = running and config.lockstep and not self._all_dead()
+        self.watchdog.observe_group(running=running, wave=wave, ranks=self._span.range,
+                                    now=now)
         if config.watchdog_stall_s <= 0:
             return
         journal = self._journal
