@@ -1010,7 +1010,7 @@ def test_a_rank_whose_group_was_redeployed_meanwhile_is_not_revived() -> None:
     before = state_of(m)
     refusal = refused(m.revive(START, TTL + 2.0, "heard again"))
     assert refusal.reason is R.CONFIG_HASH_MISMATCH
-    assert "restart it with the group's settings" in refusal.message
+    assert "it stays dead: restart it with the group's parallel settings" in refusal.message
     assert state_of(m) == before
     assert m.group_config_hash == "h1"
 

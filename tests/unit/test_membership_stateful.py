@@ -8,6 +8,7 @@ comes on a numbered connection, as the server reports them).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -15,6 +16,7 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule
 
+from coordinator.core.ranks.connections import Connections
 from coordinator.core.ranks.membership import (
     Accepted,
     EngineLease,
@@ -46,6 +48,8 @@ def snapshot(value: Any) -> Any:
         return {key: snapshot(item) for key, item in value.items()}
     if isinstance(value, EngineLease):
         return dataclasses.replace(value)
+    if isinstance(value, Connections):
+        return copy.deepcopy(value)
     return value
 
 
