@@ -51,9 +51,13 @@ group is refused and the rank is released (its lease turns DEAD): an engine
 with other parallel settings would make the collectives hang, and holding its
 rank would only block the fixed engine that the operator starts next. The
 first accepted READY that carries a hash pins it; it stays pinned while some
-other live, READY-or-later lease carries a hash, so a whole group that is
-redeployed with new settings does not need a coordinator restart. Dense and
-dp=1 engines send no hash, and a missing hash is always accepted.
+other READY-or-later lease that is not DEAD carries a hash, so a whole group
+that is redeployed with new settings does not need a coordinator restart. A
+lease past its TTL that ``expire`` has not judged yet still pins: traffic
+(``touch``) and a probe's answer (``renew``) renew it whatever its age, so it
+may well be live, and a READY with another hash meanwhile would put two
+settings in one group. Dense and dp=1 engines send no hash, and a missing
+hash is always accepted.
 
 This module does no IO and reads no clock: callers pass ``now`` (monotonic
 seconds). Calls return what changed (``Accepted``, ``Refused``,
@@ -456,7 +460,7 @@ class Membership:
                 f"{lease.state.value} (incarnation {lease.incarnation}); READY is "
                 f"accepted once per HELLO",
             )
-        group_hash = self._pinned_hash(now)
+        group_hash = self._pinned_hash()
         if (
             parallel_config_hash is not None
             and group_hash is not None
@@ -528,7 +532,7 @@ class Membership:
         if lease is None or lease.state is not RankState.DEAD or lease.died_from is None:
             return None
         if lease.parallel_config_hash is not None:
-            pinned = self._pinned_hash(heard_at)
+            pinned = self._pinned_hash()
             if pinned is not None and pinned != lease.parallel_config_hash:
                 return Refused(
                     RefusalReason.CONFIG_HASH_MISMATCH,
@@ -700,14 +704,15 @@ class Membership:
         self._dispatchable = None
         return [RankChanged(lease.rank, old, new, cause)]
 
-    def _pinned_hash(self, now: float) -> str | None:
-        """The group's hash, while a live lease that passed READY still carries one."""
+    def _pinned_hash(self) -> str | None:
+        """The group's hash, while a lease that passed READY and is not DEAD carries one.
+
+        Not DEAD, rather than alive at some ``now``: a lease past its TTL is renewed
+        by its next traffic or probe answer (``touch``, ``renew``) until ``expire``
+        judges it, so until then its hash is still the group's.
+        """
         for lease in self._leases.values():
-            if (
-                lease.state in _JOINED
-                and lease.parallel_config_hash is not None
-                and self._alive(lease, now)
-            ):
+            if lease.state in _JOINED and lease.parallel_config_hash is not None:
                 return self._group_config_hash
         return None
 
