@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import pytest
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -553,9 +552,6 @@ TestCoreGroup.settings = settings(
 )
 
 
-@pytest.mark.xfail(strict=True, reason="the gate's release of a held wake (GateStep.OPEN in "
-                   "the engine subscription handler) is not passed to "
-                   "WaveState.on_wake_released yet")
 def test_a_wake_held_at_the_gate_is_retried_a_full_rewake_after_it_left() -> None:
     """Found by this model: wakes ``[(0, 0.1, 0), (0, 1.0, 0)]`` (wave, when it was
     published, group epoch). A submit at 0.0 woke wave 0 while the start-up gate was
