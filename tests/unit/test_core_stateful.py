@@ -567,6 +567,29 @@ TestCoreGroup.settings = settings(
 )
 
 
+def test_a_wake_held_at_the_gate_is_retried_a_full_rewake_after_it_left() -> None:
+    """Found by this model: wakes ``[(0, 0.1, 0), (0, 1.0, 0)]`` (wave, when it was
+    published, group epoch). A submit at 0.0 woke wave 0 while the start-up gate was
+    closed, the gate opened at 0.1 and let the wake out, and the timer retried it at
+    1.0, 0.9 s after it was sent: the wave table counted the wake from when it was
+    decided (see ``WaveState.on_wake_released``)."""
+    driver = Driver.start(engines=2, frontends=0, lease_ttl_s=TTL, rewake_after_s=REWAKE,
+                          watchdog_stall_s=0.0)
+    for rank in range(2):
+        driver.join(rank, f"e{rank}.0")
+    driver.register(0)
+    reply = driver.submit("r0")
+    assert isinstance(reply, fp.Submitted) and reply.woke
+    assert driver.back_publish() == []  # held: READY must come first
+    driver.tick(0.1)
+    driver.subscribe(2)
+    assert driver.back_publish() == ["READY", (0, None)]
+    driver.tick(0.1 + REWAKE - 0.01)
+    assert driver.wakes() == [(0, None)]
+    driver.tick(0.1 + REWAKE + 0.5)  # a full rewake_after_s after it left, and a tick
+    assert driver.wakes() == [(0, None), (0, None)]
+
+
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 9, 9, 9, 9, 9], [5, 5, 5, 5, 5]]
 
 

@@ -520,7 +520,13 @@ def test_group_hash_is_released_when_no_live_engine_carries_it() -> None:
     bring(m, 5, S.HANDSHAKING, now=1.0)
     accepted(m.ready(5, parallel_config_hash="new", now=1.0))
     assert m.group_config_hash == "new"
-    # An expired (not yet reaped) holder does not pin it either.
+    # A holder past its TTL pins it until expire judges it (its next traffic or probe
+    # answer would renew it); once it is DEAD the group may move on.
+    bring(m, 6, S.HANDSHAKING, now=TTL + 5)
+    assert refused(m.ready(6, parallel_config_hash="newer", now=TTL + 5)).reason is (
+        R.CONFIG_HASH_MISMATCH)
+    assert m.group_config_hash == "new"
+    assert [c.rank for c in m.expire(TTL + 5)] == [5]
     bring(m, 6, S.HANDSHAKING, now=TTL + 5)
     accepted(m.ready(6, parallel_config_hash="newer", now=TTL + 5))
     assert m.group_config_hash == "newer"
@@ -1010,7 +1016,7 @@ def test_a_rank_whose_group_was_redeployed_meanwhile_is_not_revived() -> None:
     before = state_of(m)
     refusal = refused(m.revive(START, TTL + 2.0, "heard again"))
     assert refusal.reason is R.CONFIG_HASH_MISMATCH
-    assert "restart it with the group's settings" in refusal.message
+    assert "it stays dead: restart it with the group's parallel settings" in refusal.message
     assert state_of(m) == before
     assert m.group_config_hash == "h1"
 
@@ -1025,3 +1031,28 @@ def test_a_revived_rank_pins_its_hash_when_no_live_rank_carries_one() -> None:
     accepted(hello(m, START + 1, now=TTL + 2.0))
     refusal = refused(m.ready(START + 1, parallel_config_hash="h1", now=TTL + 2.0))
     assert refusal.reason is R.CONFIG_HASH_MISMATCH
+
+
+def test_a_lease_past_its_ttl_but_not_yet_judged_keeps_pinning_the_groups_hash() -> None:
+    """Found by the whole-membership model: rank A joined with h1 and fell silent past
+    its TTL, but nothing judged it yet (its probe's answer decides); rank B's READY with
+    h2 was accepted meanwhile, and then A's probe was answered. Traffic and probes renew
+    a lease whatever its age, so A was live again with h1 while the group ran h2."""
+    m = make()
+    accepted(hello(m, START, now=0.0))
+    accepted(m.ready(START, parallel_config_hash="h1", now=0.0))
+    m.greeted(START, 0.0)
+    late = TTL + 0.5
+    accepted(hello(m, START + 1, now=late))
+    refusal = refused(m.ready(START + 1, parallel_config_hash="h2", now=late))
+    assert refusal.reason is R.CONFIG_HASH_MISMATCH
+    assert "the group runs with h1, this engine has h2" in refusal.message
+    m.renew(START, late)  # the probe reached A: it was heard just now
+    assert m.group_config_hash == "h1"
+    assert [(lease.rank, lease.state, lease.parallel_config_hash) for lease in m.leases()] == [
+        (START, S.READY, "h1"), (START + 1, S.DEAD, None)]
+    # Once A is judged dead, the group may come back with other settings.
+    assert [c.new for c in m.expire(2 * TTL + 1.0)] == [S.DEAD]
+    accepted(hello(m, START + 1, now=2 * TTL + 1.0))
+    accepted(m.ready(START + 1, parallel_config_hash="h2", now=2 * TTL + 1.0))
+    assert m.group_config_hash == "h2"

@@ -20,6 +20,7 @@ from coordinator.core.waves.table import (
     classify_reported_wave,
     classify_start_wave,
     classify_timer,
+    classify_wake_released,
     classify_wave_complete,
     live_wake,
 )
@@ -66,6 +67,8 @@ def test_table_has_one_row_per_reachable_condition() -> None:
         (WaveEvent.GROUP_CHANGED, WaveCondition.GROUP_RUNNING),
         (WaveEvent.GROUP_CHANGED, WaveCondition.GROUP_PAUSED),
         (WaveEvent.TIMER, WaveCondition.WAKE_UNANSWERED),
+        (WaveEvent.WAKE_RELEASED, WaveCondition.OUR_WAKE_RELEASED),
+        (WaveEvent.WAKE_RELEASED, WaveCondition.NO_WAKE_PENDING),
     }
     assert set(TRANSITIONS) == expected
 
@@ -527,6 +530,52 @@ def test_classify_timer(
     expected: WaveCondition,
 ) -> None:
     assert classify_timer(3, running, pending, live, retried) is expected
+
+
+# ---- a wake held at the start-up gate ------------------------------------------------
+
+
+def test_classify_wake_released() -> None:
+    assert classify_wake_released(3) is WaveCondition.OUR_WAKE_RELEASED
+    assert classify_wake_released(None) is WaveCondition.NO_WAKE_PENDING
+
+
+def test_a_held_wake_counts_from_when_the_gate_let_it_out() -> None:
+    """Found by the composed core's model (test_core_stateful): a wake decided at 0.0
+    and held by the closed gate left at 0.1, and the timer retried it at 1.0, 0.9 s
+    after it was sent, where a wake counts for rewake_after_s after it was sent."""
+    state = WaveState(wave=0, rewake_after_s=1.0)
+    assert state.on_first_request(0, 0, now=0.0) == [BroadcastStartWave(0, None)]
+    assert state.on_wake_released(0.1) == []
+    assert state.on_timer(1.0) == []
+    assert state.wake_pending(1.0) == 0
+    assert state.on_first_request(1, 0, now=1.0) == []  # still live: no second wake
+    assert state.on_timer(1.1) == [BroadcastStartWave(0, None)]  # a full second after
+    assert state.snapshot() == (0, False)
+
+
+def test_a_retry_made_while_the_wake_was_held_does_not_use_up_the_retry() -> None:
+    state = WaveState(wave=2, rewake_after_s=1.0)
+    state.on_first_request(0, 2, now=0.0)
+    assert state.on_timer(1.0) == [BroadcastStartWave(2, None)]  # held too: reached nobody
+    assert state.on_wake_released(3.0) == []
+    assert state.on_timer(3.5) == []
+    assert state.on_timer(4.0) == [BroadcastStartWave(2, None)]  # the one real retry
+    assert state.on_timer(5.5) == []  # and only one
+
+
+def test_a_released_relay_or_a_reported_wave_leaves_nothing_to_count() -> None:
+    relayed = WaveState(wave=1)
+    assert relayed.on_start_wave(2, 1, now=0.0) == [
+        BroadcastStartWave(1, 2), PublishWave(1, True)]
+    assert relayed.on_wake_released(0.5) == []
+    assert (relayed.snapshot(), relayed.wake_pending_for) == ((1, True), None)
+    answered = woken_at(1, now=0.0)
+    answered.on_start_wave(1, 1, now=0.01)
+    assert answered.on_wake_released(0.5) == []
+    assert answered.wake_pending_for is None and answered.on_timer(5.0) == []
+    dense = WaveState(lockstep=False)
+    assert dense.on_wake_released(1.0) == [] and dense.wake_pending_for is None
 
 
 # ---- a rank died or was replaced ----------------------------------------------------

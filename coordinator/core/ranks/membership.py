@@ -20,9 +20,10 @@ even when both use the same ZMQ identity.
 
 HELLO decides who holds a rank: ``core.claims`` has the verdict, from the
 engine ids and connection facts (is the holder's HELLO connection, or the
-connection it greeted from on ``dispatch``, still open?). The server numbers
-the connections of ``handshake`` and ``dispatch``; this module remembers which
-ones each lease was seen on and hears when they close (``connection_closed``).
+connection it greeted from on ``dispatch``, still open?). Which connections
+each lease was seen on, and what their closing means, is
+``core.ranks.connections``; ``Membership`` keeps that book beside the leases
+and passes on what the server reports (``greeted``, ``connection_closed``).
 
 After HELLO, a lease moves through the states of ``RankState`` by the events
 in ``NEXT_STATE``, a plain (state, event) -> next-state table. For the
@@ -30,26 +31,33 @@ operator commands (cordon, uncordon, drain) and READY a missing row is a
 refusal; for the liveness events (disconnect, expire) a missing row means
 there is nothing to do.
 
-DEAD is a verdict on evidence, so evidence revises it: a settled lease (READY,
-CORDONED or DRAINING) that died of silence or a failed probe remembers its
-state, and ``revive`` restores it, same incarnation, once its engine is
-reachable again (``core.liveness``), unless the group pinned another config
-hash meanwhile. Leases released for a hash mismatch, dead HANDSHAKING or
-replaced by a new HELLO come back only by a new HELLO (a new incarnation).
+DEAD is a verdict on evidence, so it can be revised by evidence: a settled
+lease (READY, CORDONED or DRAINING) that died of silence or of a failed probe
+remembers the state it died in, and ``revive`` puts it back there, same
+incarnation, once its engine is reachable again (see ``core.liveness``),
+unless the group pinned another config hash meanwhile: then it stays dead. A
+lease released for a config-hash mismatch, one that died HANDSHAKING, and
+one replaced by a new HELLO do not come back: only a new HELLO, which makes a
+new incarnation, does.
 
 Leases are judged by what arrived, not by the coordinator's wall time: traffic
-renews a lease whatever its age (``touch``), a probe only to when it proves the
-engine was heard (``renew``), and a pause of the coordinator is credited to
-every lease (``credit_pause``): a stall longer than the TTL condemns nobody.
+renews a lease whatever its age (``touch``), a probe renews it only to the
+moment it proves the engine was heard (``renew``), and a pause of the
+coordinator itself is credited to every lease (``credit_pause``), so a stall
+longer than the TTL condemns nobody.
 
 A READY whose ``parallel_config_hash`` differs from the hash pinned by the
 group is refused and the rank is released (its lease turns DEAD): an engine
 with other parallel settings would make the collectives hang, and holding its
 rank would only block the fixed engine that the operator starts next. The
 first accepted READY that carries a hash pins it; it stays pinned while some
-other live, READY-or-later lease carries a hash, so a whole group that is
-redeployed with new settings does not need a coordinator restart. Dense and
-dp=1 engines send no hash, and a missing hash is always accepted.
+other READY-or-later lease that is not DEAD carries a hash, so a whole group
+that is redeployed with new settings does not need a coordinator restart. A
+lease past its TTL that ``expire`` has not judged yet still pins: traffic
+(``touch``) and a probe's answer (``renew``) renew it whatever its age, so it
+may well be live, and a READY with another hash meanwhile would put two
+settings in one group. Dense and dp=1 engines send no hash, and a missing
+hash is always accepted.
 
 This module does no IO and reads no clock: callers pass ``now`` (monotonic
 seconds). Calls return what changed (``Accepted``, ``Refused``,
@@ -67,6 +75,11 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from coordinator.core.ranks.claims import Greeting, HelloVerdict, hello_verdict, holder_connected
+from coordinator.core.ranks.connections import (
+    Connections,
+    LeaseConnections,
+    reachable_on_dispatch,
+)
 from coordinator.protocol.errors import RankRangeError
 from coordinator.protocol.identity import MAX_RANK
 
@@ -76,6 +89,7 @@ __all__ = [
     "EngineLease",
     "Greeting",
     "HelloVerdict",
+    "LeaseConnections",
     "LeaseEvent",
     "Membership",
     "ProbeHolder",
@@ -168,8 +182,8 @@ class RefusalReason(enum.Enum):
 
 
 @dataclass(kw_only=True)
-class EngineLease:
-    """One engine's registration for one rank."""
+class EngineLease(LeaseConnections):
+    """One engine's registration for one rank, with its connection facts."""
 
     rank: int
     engine_id: str | None
@@ -178,23 +192,10 @@ class EngineLease:
     last_seen: float
     local: bool = False
     headless: bool = False
-    dispatch_connected: bool = False
     parallel_config_hash: str | None = None
     incarnation: int
     protocol_version: int | None = None
     """Set by this project's engine SDK in HELLO; such engines wait for ACCEPTED."""
-    handshake_conn: int = 0
-    """The connection that said HELLO (0: not known)."""
-    handshake_lost: bool = False
-    dispatch_conn: int = 0
-    """The connection the engine greeted from on ``dispatch`` (0: not known)."""
-    dispatch_closed: bool = False
-    """That connection closed."""
-    dispatch_lost: bool = False
-    """Not reachable there (its connection closed, a probe missed it, or it carried
-    nothing lately) since a probe last heard it: no new requests go there."""
-    dispatch_claimed_by: int = 0
-    """Another connection that greeted for this rank and is still open (a second claim)."""
     died_from: RankState | None = None
     """The settled state a DEAD lease died in, while it may still be revived."""
 
@@ -209,8 +210,6 @@ class Refused:
 
     reason: RefusalReason
     message: str
-
-
 
 
 @dataclass(frozen=True)
@@ -287,8 +286,8 @@ class Membership:
         self._dispatchable: list[int] | None = None
         # Outlives the leases (and resizes), so incarnations never repeat per rank.
         self._last_incarnation: dict[int, int] = {}
-        # Open connections a lease was seen on (conn id -> rank), to act on their closing.
-        self._conns: dict[int, int] = {}
+        # The connections the leases were seen on, to act on their closing.
+        self._connections = Connections()
 
     @property
     def rank_start(self) -> int:
@@ -323,7 +322,8 @@ class Membership:
 
     def state(self, rank: int) -> RankState | None:
         """The rank's state, or None without a lease (no copy: for hot paths)."""
-        return held.state if (held := self._leases.get(rank)) is not None else None
+        held = self._leases.get(rank)
+        return None if held is None else held.state
 
     def leases(self) -> list[EngineLease]:
         """Copies of all leases, by ascending rank."""
@@ -342,9 +342,7 @@ class Membership:
             rank
             for rank in sorted(self._leases)
             if (lease := self._leases[rank]).state is RankState.READY
-            and lease.dispatch_connected
-            and not lease.dispatch_lost
-            and not lease.dispatch_claimed_by
+            and reachable_on_dispatch(lease)
             and self._alive(lease, now)
         ]
         if now is None:
@@ -405,12 +403,12 @@ class Membership:
                 return ProbeHolder(rank, dataclasses.replace(holder))
             if verdict is HelloVerdict.DUPLICATE:
                 holder.last_seen = now
-                self._bind(holder, conn, dispatch=False)
+                self._connections.said_hello(rank, holder, conn)
                 return Accepted(dataclasses.replace(holder), duplicate=True)
             if verdict is HelloVerdict.TAKE_OVER:
                 released = self.disconnected(rank, now)[0]
         if previous is not None:
-            self._unbind(previous)
+            self._connections.forget(rank, previous)
         incarnation = self._last_incarnation.get(rank, 0) + 1
         self._last_incarnation[rank] = incarnation
         fresh = EngineLease(
@@ -425,7 +423,7 @@ class Membership:
             protocol_version=protocol_version,
         )
         self._leases[rank] = fresh
-        self._bind(fresh, conn, dispatch=False)
+        self._connections.said_hello(rank, fresh, conn)
         self._dispatchable = None
         return Accepted(dataclasses.replace(fresh), replaced=previous, released=released)
 
@@ -462,7 +460,7 @@ class Membership:
                 f"{lease.state.value} (incarnation {lease.incarnation}); READY is "
                 f"accepted once per HELLO",
             )
-        group_hash = self._pinned_hash(now)
+        group_hash = self._pinned_hash()
         if (
             parallel_config_hash is not None
             and group_hash is not None
@@ -486,7 +484,7 @@ class Membership:
         self._dispatchable = None
         lease.parallel_config_hash = parallel_config_hash
         lease.last_seen = now
-        self._bind(lease, conn, dispatch=False)
+        self._connections.said_hello(rank, lease, conn)
         return Accepted(dataclasses.replace(lease))
 
     # -- liveness --------------------------------------------------------------
@@ -496,20 +494,11 @@ class Membership:
         lease = self._leases.get(rank)
         if lease is None or not self._alive(lease, now):
             return Greeting.UNREGISTERED
-        if conn and lease.dispatch_conn and conn != lease.dispatch_conn:
-            # An engine greets once per connection and never again after a reconnect:
-            # a greeting from another connection is someone else's.
-            lease.dispatch_claimed_by = conn
-            self._conns[conn] = rank
-            self._dispatchable = None
-            return Greeting.SECOND_CLAIM
-        bound = conn != 0 and lease.dispatch_conn == 0
-        lease.dispatch_connected = True
-        lease.dispatch_lost = False
-        lease.last_seen = now
-        self._bind(lease, conn, dispatch=True)
+        greeting = self._connections.greeted(rank, lease, conn)
+        if greeting is not Greeting.SECOND_CLAIM:
+            lease.last_seen = now  # a second claim is someone else's: it renews nothing
         self._dispatchable = None
-        return Greeting.BOUND if bound else Greeting.REPEATED
+        return greeting
 
     def touch(self, rank: int, now: float) -> None:
         """Traffic from ``rank`` renews its lease, however old; a DEAD lease stays DEAD."""
@@ -535,19 +524,26 @@ class Membership:
             self._dispatchable = None
 
     def revive(self, rank: int, heard_at: float, cause: str) -> RankChanged | Refused | None:
-        """A DEAD lease that died settled is back (same incarnation), heard at ``heard_at``;
-        None if it cannot be, refused if the group pinned another config hash meanwhile."""
+        """A DEAD lease that died settled is back (same incarnation): its engine was heard
+        at ``heard_at``. None when the lease cannot be revived; refused when the group
+        pinned another parallel config hash meanwhile (it was redeployed while this rank
+        was away, and the engine must restart with the group's settings)."""
         lease = self._leases.get(rank)
         if lease is None or lease.state is not RankState.DEAD or lease.died_from is None:
             return None
-        held, pinned = lease.parallel_config_hash, self._pinned_hash(heard_at)
-        if held is not None and pinned not in (None, held):
-            return Refused(RefusalReason.CONFIG_HASH_MISMATCH, (
-                f"dp_rank={rank} is reachable again, but the group now runs with parallel config "
-                f"hash {pinned} and this engine has {held}: restart it with the group's settings"))
-        if held is not None:
-            self._group_config_hash = held
-        state, lease.died_from = lease.died_from, None
+        if lease.parallel_config_hash is not None:
+            pinned = self._pinned_hash()
+            if pinned is not None and pinned != lease.parallel_config_hash:
+                return Refused(
+                    RefusalReason.CONFIG_HASH_MISMATCH,
+                    f"dp_rank={rank} is reachable again, but the group now runs with "
+                    f"parallel config hash {pinned} and this engine has "
+                    f"{lease.parallel_config_hash}; it stays dead: restart it with the "
+                    f"group's parallel settings",
+                )
+            self._group_config_hash = lease.parallel_config_hash
+        state = lease.died_from
+        lease.died_from = None
         lease.state = state
         lease.last_seen = max(lease.last_seen, heard_at)
         lease.dispatch_lost = False
@@ -555,20 +551,11 @@ class Membership:
         return RankChanged(rank, RankState.DEAD, state, cause)
 
     def connection_closed(self, conn: int) -> int | None:
-        """A connection a lease was seen on closed; returns the rank whose lease it was."""
-        rank = self._conns.pop(conn, None)
-        lease = None if rank is None else self._leases.get(rank)
-        if lease is None:
-            return None
-        if conn == lease.handshake_conn:
-            lease.handshake_lost = True
-        if conn == lease.dispatch_conn:
-            lease.dispatch_closed = lease.dispatch_lost = True
-        if conn == lease.dispatch_claimed_by:
-            # The identity is free again; whoever holds it next must answer a probe.
-            lease.dispatch_claimed_by = 0
-            lease.dispatch_lost = True
-        self._dispatchable = None
+        """A connection a lease was seen on closed; returns the rank whose lease it was
+        (see ``core.ranks.connections`` for what the close means)."""
+        rank = self._connections.closed(conn, self._leases)
+        if rank is not None:
+            self._dispatchable = None
         return rank
 
     def credit_pause(self, seconds: float, now: float) -> None:
@@ -593,8 +580,9 @@ class Membership:
         cause = f"engine disconnected (last seen {age} s ago)"
         return self._apply(lease, LeaseEvent.DISCONNECT, cause)
 
-    def expire(self, now: float, *, spare: Collection[int] = (),
-               only: Collection[int] | None = None) -> list[RankChanged]:
+    def expire(
+        self, now: float, *, spare: Collection[int] = (), only: Collection[int] | None = None
+    ) -> list[RankChanged]:
         """Leases not renewed within the TTL turn DEAD, except those of ``spare``
         (ranks being probed right now: their probe's answer decides); with ``only``,
         just those ranks are looked at."""
@@ -690,7 +678,7 @@ class Membership:
         dropped = [rank for rank in sorted(self._leases) if rank >= end]
         changes = [RankChanged(rank, self._leases[rank].state, None, cause) for rank in dropped]
         for rank in dropped:
-            del self._leases[rank]
+            self._connections.forget(rank, self._leases.pop(rank))
             self._dispatchable = None
         return changes
 
@@ -716,30 +704,15 @@ class Membership:
         self._dispatchable = None
         return [RankChanged(lease.rank, old, new, cause)]
 
-    def _bind(self, lease: EngineLease, conn: int, *, dispatch: bool) -> None:
-        if not conn:
-            return
-        if dispatch:
-            lease.dispatch_conn = conn
-        else:
-            if lease.handshake_conn and lease.handshake_conn != conn:
-                self._conns.pop(lease.handshake_conn, None)
-            lease.handshake_conn, lease.handshake_lost = conn, False
-        self._conns[conn] = lease.rank
+    def _pinned_hash(self) -> str | None:
+        """The group's hash, while a lease that passed READY and is not DEAD carries one.
 
-    def _unbind(self, lease: EngineLease) -> None:
-        for conn in (lease.handshake_conn, lease.dispatch_conn, lease.dispatch_claimed_by):
-            if conn and self._conns.get(conn) == lease.rank:
-                del self._conns[conn]
-
-    def _pinned_hash(self, now: float) -> str | None:
-        """The group's hash, while a live lease that passed READY still carries one."""
+        Not DEAD, rather than alive at some ``now``: a lease past its TTL is renewed
+        by its next traffic or probe answer (``touch``, ``renew``) until ``expire``
+        judges it, so until then its hash is still the group's.
+        """
         for lease in self._leases.values():
-            if (
-                lease.state in _JOINED
-                and lease.parallel_config_hash is not None
-                and self._alive(lease, now)
-            ):
+            if lease.state in _JOINED and lease.parallel_config_hash is not None:
                 return self._group_config_hash
         return None
 

@@ -131,6 +131,9 @@ class WaveHandlers:
             held = self.gate.take_held()
             if held is not None:
                 out.add(Publish("back_publish", held))
+                # Only now did it leave: a pending wake counts from here.
+                self.apply(self.table.on_wake_released(now), now, out,
+                           cause="held wake released", rank=None)
             self._schedule.start(now)
             out.add(REARM_TIMER)
             out.log(INFO, "all %d engines subscribed; READY sent", self.gate.expected)

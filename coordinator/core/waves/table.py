@@ -61,6 +61,15 @@ Why a pending wake expires
     engine reports within milliseconds, which clears the pending wake, and
     there is still exactly one wake per wave.
 
+A wake held at the start-up gate
+    Engines assert that ``READY`` is the first thing on ``back_publish``, so a
+    wake decided before the start-up gate opened is held there
+    (``core.waves.gate``) and leaves only when the gate opens. Until then it
+    was not sent, so its ``rewake_after_s`` has not begun: the caller says
+    when it left (``on_wake_released``), and the pending wake counts from
+    then. A retry made while it was held reached nobody either, so the retry
+    is still owed once the wake is out.
+
 A rank that dies or is replaced
     The wave a group is stepping in cannot finish once one of its ranks is
     gone, and a replacement starts idle at wave 0. ``on_group_changed`` marks
@@ -139,6 +148,7 @@ class WaveEvent(enum.Enum):
     REPORTED_WAVE = "reported_wave"
     TIMER = "timer"
     GROUP_CHANGED = "group_changed"
+    WAKE_RELEASED = "wake_released"  # the start-up gate let the held wake out
 
 
 class WaveCondition(enum.Enum):
@@ -162,6 +172,8 @@ class WaveCondition(enum.Enum):
     GROUP_PAUSED = "group_paused"  # group_changed while paused
     NOTHING_DUE = "nothing_due"  # timer: no unanswered coordinator wake to retry
     WAKE_UNANSWERED = "wake_unanswered"  # timer: our wake expired, no engine reported, once
+    OUR_WAKE_RELEASED = "our_wake_released"  # wake_released: it is our pending wake
+    NO_WAKE_PENDING = "no_wake_pending"  # wake_released: a relay, or an engine report came
 
 
 class WaveUpdate(enum.Enum):
@@ -174,6 +186,7 @@ class WakeUpdate(enum.Enum):
     KEEP = "keep"
     CLEAR = "clear"  # an engine report superseded any wake we sent
     MARK_CURRENT = "mark_current"  # we are sending the wake for the current wave, now
+    SENT_NOW = "sent_now"  # the pending wake left only now: it counts, and may be retried, anew
 
 
 class Exclude(enum.Enum):
@@ -277,6 +290,18 @@ TRANSITIONS: Mapping[tuple[WaveEvent, WaveCondition], Transition] = {
         broadcast=Exclude.NOBODY,
         publish=False,
     ),
+    # The held wake is out only now: the pending wake counts from now, and the retry
+    # the timer may have made while it was held reached nobody.
+    (_E.WAKE_RELEASED, _C.OUR_WAKE_RELEASED): Transition(
+        running=None,
+        wave=WaveUpdate.KEEP,
+        wake=WakeUpdate.SENT_NOW,
+        broadcast=None,
+        publish=False,
+    ),
+    # What left was a relay of an engine's start, or an engine reported since: there
+    # is no wake of ours to count.
+    (_E.WAKE_RELEASED, _C.NO_WAKE_PENDING): _IGNORE,
     (_E.REPORTED_WAVE, _C.STALE): _IGNORE,
     (_E.REPORTED_WAVE, _C.CURRENT): _IGNORE,
     # Every earlier wave ended; the group waits at this one for a start_wave.
@@ -315,6 +340,12 @@ def live_wake(
     if now is None or sent_at is None or now - sent_at < rewake_after_s:
         return pending_for
     return None
+
+
+def classify_wake_released(pending_for: int | None) -> WaveCondition:
+    if pending_for is None:
+        return WaveCondition.NO_WAKE_PENDING
+    return WaveCondition.OUR_WAKE_RELEASED
 
 
 def classify_wave_complete(current: int, reported: int) -> WaveCondition:
@@ -475,6 +506,13 @@ class WaveState:
             self._wake_retried_for = self._wave
         return self._apply(TRANSITIONS[WaveEvent.TIMER, condition], self._wave, -1, now)
 
+    def on_wake_released(self, now: float) -> list[WaveAction]:
+        """The start-up gate opened and sent the wake it held, at ``now``."""
+        if not self.lockstep:
+            return []
+        condition = classify_wake_released(self._wake_pending_for)
+        return self._apply(TRANSITIONS[WaveEvent.WAKE_RELEASED, condition], self._wave, -1, now)
+
     def on_reported_wave(self, rank: int, wave: int) -> list[WaveAction]:
         """The ``current_wave`` of a stats report from engine ``rank``."""
         if not self.lockstep or wave <= self._wave:
@@ -497,6 +535,10 @@ class WaveState:
         elif row.wake is WakeUpdate.MARK_CURRENT:
             self._wake_pending_for = self._wave
             self._wake_sent_at = now
+        elif row.wake is WakeUpdate.SENT_NOW:
+            self._wake_sent_at = now
+            if self._wake_retried_for == self._wave:
+                self._wake_retried_for = None
 
         actions: list[WaveAction] = []
         if row.broadcast is not None:
