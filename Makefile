@@ -34,7 +34,8 @@ unit: $(STAMP)
 # wheel fetched on first use); `make test` runs 0.29.0 and 0.33.0 only.
 compat-matrix: $(STAMP)
 	$(BIN)/python -m tools.vllm_wheel fetch --version all
-	DP_VLLM_VERSIONS=all $(BIN)/pytest tests/compat/test_vllm_versions.py $(PYTEST_ARGS)
+	DP_VLLM_VERSIONS=all $(BIN)/pytest tests/compat/test_vllm_versions.py \
+		tests/compat/test_dropin_versions.py $(PYTEST_ARGS)
 
 # Multi-host tests in network namespaces (root, iproute2); `make test` runs them
 # too, but skips them where namespaces cannot be built. Here that is a failure.
