@@ -36,6 +36,8 @@ class RankView:
     report_age_s: float | None = None
     """Seconds since this rank's last stats report (None: never reported)."""
     in_flight: int = 0
+    vllm_version: str | None = None
+    """The vLLM version the rank's engine named in its greeting (None: none named)."""
 
 
 # From 10 µs to 10 ms: a decision over 32 ranks and a few thousand prompt tokens
@@ -157,6 +159,7 @@ def observed_state(core: CoordinatorCore, now: float, recorder_tail: list[dict[s
             dispatched=core.dispatched_by_rank[rank],
             report_age_s=core.watchdog.report_age(rank, now),
             in_flight=core.requests.count(rank),
+            vllm_version=core.vllm_versions.get(rank) if lease else None,
         ))
     totals = core.timeline.totals(now)
     return ObservedState(
