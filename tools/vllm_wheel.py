@@ -137,6 +137,14 @@ class WheelUnavailable(RuntimeError):
     """The pinned vLLM wheel is neither in the cache nor downloadable; says why."""
 
 
+class ModuleNotInWheel(LookupError):
+    """A module asked for is not in this release's wheel (and is not optional).
+
+    Not a `WheelUnavailable`: a test that catches that to skip must fail here,
+    since the release lacks what the test runs.
+    """
+
+
 # ---- the wheel --------------------------------------------------------------------------
 
 
@@ -301,7 +309,7 @@ def extract(modules: Iterable[str], cache: str | os.PathLike[str] | None = None,
     missing, so a filled cache needs neither the network nor the wheel's
     300-odd MB read. A module in `OPTIONAL_MODULES` that this version's wheel
     lacks is noted in `<root>/.absent` (and then stubbed); any other missing
-    module is an error.
+    module raises `ModuleNotInWheel`.
     """
     root = source_root(cache, version=version)
     wanted = list(dict.fromkeys(modules))
@@ -319,7 +327,7 @@ def extract(modules: Iterable[str], cache: str | os.PathLike[str] | None = None,
                 if name in OPTIONAL_MODULES:
                     lacking.append(name)
                     continue
-                raise WheelUnavailable(f"module {name} is not in {wheel.name}")
+                raise ModuleNotInWheel(f"module {name} is not in {wheel.name}")
             target = root / member
             target.parent.mkdir(parents=True, exist_ok=True)
             partial = target.with_name(f".{target.name}.{os.getpid()}.part")
@@ -647,7 +655,8 @@ if __name__ == "__main__":
 
 __all__ = [
     "COORDINATOR_REAL", "HEAVY_PACKAGES", "KV_EVENTS_REAL", "OPTIONAL_MODULES",
-    "PINNED_WHEELS", "VERSIONS", "VLLM_VERSION", "WHEEL_NAME", "WHEEL_SHA256", "Stub",
-    "StubModule", "VllmFinder", "WheelUnavailable", "absent", "cache_dir", "check_version",
-    "ensure_wheel", "extract", "install", "load", "source_root", "vllm_modules", "wheel_name",
+    "PINNED_WHEELS", "VERSIONS", "VLLM_VERSION", "WHEEL_NAME", "WHEEL_SHA256",
+    "ModuleNotInWheel", "Stub", "StubModule", "VllmFinder", "WheelUnavailable", "absent",
+    "cache_dir", "check_version", "ensure_wheel", "extract", "install", "load", "source_root",
+    "vllm_modules", "wheel_name",
 ]

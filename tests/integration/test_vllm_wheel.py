@@ -241,3 +241,13 @@ def test_an_old_release_lacking_a_helper_module_gets_it_stubbed() -> None:
         assert isinstance(helper, vllm_wheel.StubModule)
     root = vllm_wheel.source_root(version="0.29.0")
     assert "vllm.logging_utils.uvicorn_logging" in vllm_wheel.absent(root)
+
+
+def test_a_module_a_release_lacks_fails_loudly_unless_optional() -> None:
+    try:
+        vllm_wheel.ensure_wheel(version="0.29.0", timeout_s=600)
+    except vllm_wheel.WheelUnavailable as exc:
+        pytest.skip(f"vLLM 0.29.0 wheel unavailable: {exc}")
+    with pytest.raises(vllm_wheel.ModuleNotInWheel, match=r"vllm\.v1\.no_such_module is not in"):
+        vllm_wheel.extract(["vllm.v1.no_such_module"], version="0.29.0")
+    assert not issubclass(vllm_wheel.ModuleNotInWheel, vllm_wheel.WheelUnavailable)
