@@ -151,7 +151,11 @@ async def test_a_lockstep_group_never_hangs_on_a_first_request_after_a_pause(
         after_pause.append(stand.group.finished[request_id] - started)
     waves.append(await stand.paused())
     assert waves == list(range(PAUSES + 1))  # one wave per request, each completed
-    counters = RawFrontend(zmq.Context.instance(), stand.handle.addresses).counters()
+    sync_ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        counters = RawFrontend(sync_ctx, stand.handle.addresses).counters()
+    finally:
+        sync_ctx.destroy(linger=0)
     wakes = counters.get("legacy.first_requests", 0)
     if engines_wake_themselves(vllm_version):
         assert wakes == 0  # 0.33's client sends none; its engines start the wave
