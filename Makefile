@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test lint typecheck unit netns-test bench bench-quick fuzz chaos clean
+.PHONY: demo test lint typecheck unit compat-matrix netns-test bench bench-quick fuzz chaos clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -29,6 +29,13 @@ typecheck: $(STAMP)
 
 unit: $(STAMP)
 	$(BIN)/pytest tests/unit $(PYTEST_ARGS)
+
+# The version-parametrised compat tests against every pinned vLLM release (each
+# wheel fetched on first use); `make test` runs 0.29.0 and 0.33.0 only.
+compat-matrix: $(STAMP)
+	$(BIN)/python -m tools.vllm_wheel fetch --version all
+	DP_VLLM_VERSIONS=all $(BIN)/pytest tests/compat/test_vllm_versions.py \
+		tests/compat/test_dropin_versions.py $(PYTEST_ARGS)
 
 # Multi-host tests in network namespaces (root, iproute2); `make test` runs them
 # too, but skips them where namespaces cannot be built. Here that is a failure.

@@ -34,12 +34,17 @@ in the API server's own Prometheus metrics). Requests that already name a
 rank, continue a streaming session, or carry pooling parameters are left
 alone.
 
-Targeted versions: vLLM 0.33.x releases (``0.33.N``, with an optional
-``.postN`` or ``+local`` suffix). The launcher surface and every byte were
-checked against 0.33.0. Anything else (other minor versions, release
-candidates, ``.dev`` builds of the main branch) is refused with a warning and
-vLLM is left untouched: older front-ends unpack two-element count rows, and
-newer launchers may use the coordinator differently.
+Targeted versions: vLLM 0.29.x to 0.33.x releases (``0.M.N``, with an
+optional ``.postN`` or ``+local`` suffix). For each of 0.29.0 to 0.33.0 the
+compat suite runs that release's own launcher module (``vllm.v1.engine.utils``)
+and coordinator module with this plugin, builds the coordinator through the
+patched name with that launcher's call shape, and runs engines and an API
+server's stats subscription against it (tests/compat/test_dropin_versions.py);
+the wire of each release is checked in tests/compat/test_vllm_versions.py.
+Anything else (older or newer minor versions, release candidates, ``.dev``
+builds of the main branch) is refused with a warning that says why, and vLLM
+is left untouched: a launcher this project has not run may use the
+coordinator differently.
 
 This module imports nothing from vLLM (and nothing heavy) at import time.
 """
@@ -74,8 +79,10 @@ __all__ = [
     "is_targeted_version",
     "patch_client",
     "prompt_keys",
+    "refusal_reason",
     "register",
     "route_enabled",
+    "targeted_range",
 ]
 
 log = logging.getLogger("coordinator.vllm_plugin")
@@ -84,8 +91,9 @@ ENABLE_ENV: Final = "DP_COORDINATOR_REPLACE"
 ENTRY_POINT_NAME: Final = "dp_coordinator"
 """The plugin's name; list it in VLLM_PLUGINS if that variable restricts plugins."""
 
-TARGETED_RELEASES: Final = frozenset({(0, 33)})
-"""(major, minor) of the vLLM releases this plugin patches."""
+TARGETED_RELEASES: Final = frozenset({(0, 29), (0, 30), (0, 31), (0, 32), (0, 33)})
+"""(major, minor) of the vLLM releases this plugin patches: those whose own launcher
+the drop-in suite passes against (0.29.0 to 0.33.0)."""
 
 DEFINING_MODULE: Final = "vllm.v1.engine.coordinator"
 LAUNCHER_MODULE: Final = "vllm.v1.engine.utils"
@@ -115,6 +123,29 @@ def is_targeted_version(version: object) -> bool:
     return (int(match.group(1)), int(match.group(2))) in TARGETED_RELEASES
 
 
+def targeted_range() -> str:
+    """The targeted releases as text, e.g. ``0.29.x to 0.33.x``."""
+    ordered = sorted(TARGETED_RELEASES)
+    return f"{ordered[0][0]}.{ordered[0][1]}.x to {ordered[-1][0]}.{ordered[-1][1]}.x"
+
+
+def refusal_reason(version: object) -> str:
+    """Why the plugin leaves vLLM `version` alone (for a version it does not target)."""
+    head = f"vLLM {version} is not a version dp-coordinator targets ({targeted_range()})"
+    if not isinstance(version, str):
+        return f"{head}: vLLM reports no version string"
+    match = _RELEASE.fullmatch(version.strip())
+    if match is None:
+        return (f"{head}: not a final release (release candidates and development builds "
+                f"may change the launcher at any commit)")
+    release = (int(match.group(1)), int(match.group(2)))
+    if release < min(TARGETED_RELEASES):
+        return (f"{head}: older than any release whose own launcher the drop-in suite "
+                f"was run against")
+    return (f"{head}: newer than the last release checked; its launcher may use the "
+            f"coordinator differently")
+
+
 def _enabled() -> bool:
     return os.environ.get(ENABLE_ENV, "").strip().lower() in _TRUE
 
@@ -136,11 +167,8 @@ def register() -> None:
         return
     version = getattr(vllm, "__version__", None)
     if not is_targeted_version(version):
-        targets = ", ".join(f"{a}.{b}.x" for a, b in sorted(TARGETED_RELEASES))
-        log.warning(
-            "%s=1 ignored: vLLM %s is not a version dp-coordinator targets (%s); vLLM keeps "
-            "its own DP coordinator", ENABLE_ENV, version, targets,
-        )
+        log.warning("%s=1 ignored: %s; vLLM keeps its own DP coordinator", ENABLE_ENV,
+                    refusal_reason(version))
         return
     try:
         defining = importlib.import_module(DEFINING_MODULE)

@@ -31,6 +31,40 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 TRANSPORTS = ("ipc", "tcp")
 
+# Which vLLM releases the compat suite runs each version-parametrised test against
+# (`--vllm-versions` or DP_VLLM_VERSIONS: a comma-separated list, or "all").
+# By default the newest and the oldest supported; `make compat-matrix` runs all.
+VLLM_VERSIONS_ENV = "DP_VLLM_VERSIONS"
+DEFAULT_VLLM_VERSIONS = "0.29.0,0.33.0"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--vllm-versions", default=None, metavar="V[,V...]|all",
+                     help=f"vLLM releases for the version-parametrised compat tests "
+                     f"(default ${VLLM_VERSIONS_ENV} or {DEFAULT_VLLM_VERSIONS})")
+
+
+def selected_vllm_versions(config: pytest.Config) -> list[str]:
+    from tools.vllm_wheel import PINNED_WHEELS, VERSIONS
+
+    text = (config.getoption("--vllm-versions") or os.environ.get(VLLM_VERSIONS_ENV)
+            or DEFAULT_VLLM_VERSIONS)
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if "all" in names:
+        return list(VERSIONS)
+    unknown = [name for name in names if name not in PINNED_WHEELS]
+    if unknown or not names:
+        raise pytest.UsageError(f"--vllm-versions / {VLLM_VERSIONS_ENV}: {text!r} names "
+                                f"{', '.join(unknown) or 'nothing'}; pinned: "
+                                f"{', '.join(VERSIONS)} (or 'all')")
+    return list(dict.fromkeys(names))
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "vllm_version" in metafunc.fixturenames:
+        metafunc.parametrize("vllm_version", selected_vllm_versions(metafunc.config),
+                             scope="module")
+
 # sun_path holds 108 bytes; leave room for the longest socket key.
 _MAX_IPC_DIR = 80
 

@@ -1,16 +1,23 @@
-"""vLLM 0.33.0's own Python modules, taken unmodified from its pinned wheel.
+"""vLLM's own Python modules (0.29.0 to 0.33.0), taken unmodified from pinned wheels.
 
-    python -m tools.vllm_wheel fetch                 # download (or reuse) and verify the wheel
-    python -m tools.vllm_wheel fetch --wheel FILE    # fill the cache from a wheel already on disk
-    python -m tools.vllm_wheel check                 # import vLLM's coordinator with stubs; exit 0
+    python -m tools.vllm_wheel fetch                   # download (or reuse) and verify 0.33.0
+    python -m tools.vllm_wheel fetch --version 0.29.0  # another pinned release
+    python -m tools.vllm_wheel fetch --version all     # every pinned release
+    python -m tools.vllm_wheel fetch --wheel FILE      # fill the cache from a wheel on disk
+    python -m tools.vllm_wheel check                   # import vLLM's coordinator with stubs
 
 Tests and benchmarks that must run vLLM's code (its coordinator loop, its
 client's socket handling, its KV event structs) use this module; vllm is never
-a dependency and none of its code is committed. The wheel (336 MB) is fetched
-once with `pip download --no-deps vllm==0.33.0` into a git-ignored cache
-(`.cache/vllm-0.33.0/` at the repository root, or `$DP_VLLM_CACHE`), checked
-against a pinned sha256, and only the `.py` files asked for are extracted.
-With the cache filled nothing touches the network.
+a dependency and none of its code is committed. Each pinned release's wheel
+(300-340 MB) is fetched on demand with `pip download --no-deps vllm==<v>` into
+a git-ignored cache of its own (`.cache/vllm-<v>/` at the repository root,
+`$DP_VLLM_CACHE_ROOT/vllm-<v>/`, or `$DP_VLLM_CACHE` for the default 0.33.0),
+checked against its pinned sha256 (`PINNED_WHEELS`, PyPI's published digests),
+and only the `.py` files asked for are extracted. With the cache filled
+nothing touches the network. Every function that reads the wheel takes
+`version=` (default `VLLM_VERSION`, 0.33.0). A helper module an older release
+does not have (`OPTIONAL_MODULES`) is stubbed for that release rather than
+failing the import.
 
 `vllm_modules()` (a context manager) and `install()` make the chosen vLLM
 modules importable: each module named in `real` runs from the wheel's own
@@ -53,19 +60,38 @@ from pathlib import Path
 from typing import Any
 
 VLLM_VERSION = "0.33.0"
-WHEEL_NAME = f"vllm-{VLLM_VERSION}-cp38-abi3-manylinux_2_28_x86_64.whl"
-WHEEL_SHA256 = "4b6bdec4ab269990bf70d45a3c1e94c3760a27064513760193b26d6f0da883aa"
-# Only .py files are extracted, so the x86_64 wheel serves every machine; asking
-# pip for this platform keeps the sha256 pin valid on any architecture.
+"""The version used when a caller names none (the newest supported release)."""
+
+# sha256 of each supported release's x86_64 wheel, as PyPI lists it. Only .py
+# files are extracted, so the x86_64 wheel serves every machine; asking pip for
+# this platform keeps each pin valid on any architecture.
+PINNED_WHEELS: dict[str, str] = {
+    "0.29.0": "09d48617fc2be9c6cdcd5db480651ab0d84817b257204f2cc2e3ecbb70bbb635",
+    "0.30.0": "ef52ee58c410ead0b8afb190838fa4cbcb52075596f67862a03859d984966ac4",
+    "0.31.0": "39132b433967f0962d03d8a5f633b9bee6b32708f566c7d5637b79f8d0ef3433",
+    "0.32.0": "5e2ecdc5b0baf72921c288486417ca82778456a448e4fe60b62ee43c0dfc8611",
+    "0.33.0": "4b6bdec4ab269990bf70d45a3c1e94c3760a27064513760193b26d6f0da883aa",
+}
+VERSIONS = tuple(PINNED_WHEELS)
+"""Every pinned release, oldest first."""
 WHEEL_PLATFORM = "manylinux_2_28_x86_64"
+WHEEL_NAME = f"vllm-{VLLM_VERSION}-cp38-abi3-{WHEEL_PLATFORM}.whl"
+WHEEL_SHA256 = PINNED_WHEELS[VLLM_VERSION]
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CACHE = REPO_ROOT / ".cache" / f"vllm-{VLLM_VERSION}"
 CACHE_ENV = "DP_VLLM_CACHE"
+"""One directory for the default version's wheel (kept for existing set-ups)."""
+CACHE_ROOT_ENV = "DP_VLLM_CACHE_ROOT"
+"""A directory holding `vllm-<version>/` for every version."""
 DOWNLOAD_TIMEOUT_S = 1800.0
+ABSENT_FILE = ".absent"
+"""In `<cache>/src`: modules a version's wheel does not have, one a line."""
 
 # vLLM modules that run from the wheel's source whenever vLLM's coordinator
 # plane is imported: the wire structs and their decoder, the socket factory,
 # logging and environment switches. Everything else under vllm.* is stubbed.
+# A module an older release lacks (uvicorn_logging before 0.32) is stubbed
+# for that release instead (`optional`).
 COORDINATOR_REAL = (
     "vllm.envs",
     "vllm.logger",
@@ -81,6 +107,13 @@ COORDINATOR_REAL = (
     "vllm.v1.metrics.stats",
     "vllm.v1.serial_utils",
 )
+OPTIONAL_MODULES = frozenset({
+    "vllm.logging_utils.torch_tensor",
+    "vllm.logging_utils.uvicorn_logging",
+    "vllm.logging_utils.log_time",
+    "vllm.v1.pool.late_interaction",
+})
+"""Helpers some releases lack: skipped (stubbed) for those, never a reason to skip a test."""
 
 # Add these to `real` to decode vLLM's KV cache events (`ExternalBlockHash` is
 # a type alias there, which a stub class cannot stand in for).
@@ -104,14 +137,42 @@ class WheelUnavailable(RuntimeError):
     """The pinned vLLM wheel is neither in the cache nor downloadable; says why."""
 
 
+class ModuleNotInWheel(LookupError):
+    """A module asked for is not in this release's wheel (and is not optional).
+
+    Not a `WheelUnavailable`: a test that catches that to skip must fail here,
+    since the release lacks what the test runs.
+    """
+
+
 # ---- the wheel --------------------------------------------------------------------------
 
 
-def cache_dir(path: str | os.PathLike[str] | None = None) -> Path:
+def check_version(version: str) -> str:
+    """`version` if it is pinned; otherwise `WheelUnavailable` naming the pinned ones."""
+    if version not in PINNED_WHEELS:
+        raise WheelUnavailable(f"vllm {version} is not pinned here; pinned: "
+                               f"{', '.join(VERSIONS)}")
+    return version
+
+
+def wheel_name(version: str = VLLM_VERSION) -> str:
+    return f"vllm-{check_version(version)}-cp38-abi3-{WHEEL_PLATFORM}.whl"
+
+
+def cache_dir(path: str | os.PathLike[str] | None = None, *,
+              version: str = VLLM_VERSION) -> Path:
+    """`path`, else `$DP_VLLM_CACHE` (default version only), else
+    `$DP_VLLM_CACHE_ROOT/vllm-<version>`, else `.cache/vllm-<version>`."""
+    check_version(version)
     if path is not None:
         return Path(path)
     env = os.environ.get(CACHE_ENV)
-    return Path(env) if env else DEFAULT_CACHE
+    if env and version == VLLM_VERSION:
+        return Path(env)
+    root = os.environ.get(CACHE_ROOT_ENV)
+    base = Path(root) if root else REPO_ROOT / ".cache"
+    return base / f"vllm-{version}"
 
 
 def _sha256(path: Path) -> str:
@@ -122,101 +183,105 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _stamp(path: Path) -> str:
+def _stamp(path: Path, version: str) -> str:
     st = path.stat()
-    return f"{WHEEL_SHA256} {st.st_size} {st.st_mtime_ns}\n"
+    return f"{PINNED_WHEELS[version]} {st.st_size} {st.st_mtime_ns}\n"
 
 
-def _verified(wheel: Path) -> bool:
+def _verified(wheel: Path, version: str) -> bool:
     """True if `wheel` matches the pinned sha256 (hashed once, then remembered)."""
     stamp_file = wheel.with_name(wheel.name + ".verified")
     if not wheel.is_file():
         return False
     with contextlib.suppress(OSError):
-        if stamp_file.read_text() == _stamp(wheel):
+        if stamp_file.read_text() == _stamp(wheel, version):
             return True
-    if _sha256(wheel) != WHEEL_SHA256:
+    if _sha256(wheel) != PINNED_WHEELS[version]:
         return False
-    stamp_file.write_text(_stamp(wheel))
+    stamp_file.write_text(_stamp(wheel, version))
     return True
 
 
-def _adopt(source: Path, cache: Path) -> Path:
+def _adopt(source: Path, cache: Path, version: str = VLLM_VERSION) -> Path:
     """Check `source` against the pin and place it in the cache (atomically)."""
     got = _sha256(source)
-    if got != WHEEL_SHA256:
+    if got != PINNED_WHEELS[check_version(version)]:
         raise WheelUnavailable(
-            f"{source} is not the pinned vllm {VLLM_VERSION} wheel: sha256 {got}, "
-            f"expected {WHEEL_SHA256}")
+            f"{source} is not the pinned vllm {version} wheel: sha256 {got}, "
+            f"expected {PINNED_WHEELS[version]}")
+    name = wheel_name(version)
     cache.mkdir(parents=True, exist_ok=True)
-    target = cache / WHEEL_NAME
-    partial = cache / f".{WHEEL_NAME}.{os.getpid()}.part"
+    target = cache / name
+    partial = cache / f".{name}.{os.getpid()}.part"
     try:
         os.link(source, partial)
     except OSError:
         shutil.copyfile(source, partial)
     os.replace(partial, target)
-    (cache / (WHEEL_NAME + ".verified")).write_text(_stamp(target))
+    (cache / (name + ".verified")).write_text(_stamp(target, version))
     return target
 
 
-def _download(cache: Path, timeout_s: float) -> Path:
+def _download(cache: Path, timeout_s: float, version: str) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
+    name = wheel_name(version)
     with tempfile.TemporaryDirectory(prefix="download-", dir=cache) as tmp:
         command = [
             sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
             "--platform", WHEEL_PLATFORM, "--dest", tmp, "--progress-bar", "off",
-            f"vllm=={VLLM_VERSION}",
+            f"vllm=={version}",
         ]
         try:
             result = subprocess.run(command, capture_output=True, text=True,
                                     timeout=timeout_s, check=False)
         except subprocess.TimeoutExpired:
             raise WheelUnavailable(
-                f"downloading vllm=={VLLM_VERSION} took longer than {timeout_s:.0f} s; "
-                f"{_offline_hint(cache)}") from None
+                f"downloading vllm=={version} took longer than {timeout_s:.0f} s; "
+                f"{_offline_hint(cache, version)}") from None
         except OSError as exc:
-            raise WheelUnavailable(f"could not run pip ({exc}); {_offline_hint(cache)}"
-                                   ) from None
+            raise WheelUnavailable(f"could not run pip ({exc}); "
+                                   f"{_offline_hint(cache, version)}") from None
         if result.returncode != 0:
             tail = "\n".join((result.stderr or result.stdout).strip().splitlines()[-6:])
             raise WheelUnavailable(
-                f"`pip download --no-deps vllm=={VLLM_VERSION}` failed (exit "
-                f"{result.returncode}); no network or no index? {_offline_hint(cache)}\n"
-                f"pip said:\n{tail}")
-        got = Path(tmp) / WHEEL_NAME
+                f"`pip download --no-deps vllm=={version}` failed (exit "
+                f"{result.returncode}); no network or no index? "
+                f"{_offline_hint(cache, version)}\npip said:\n{tail}")
+        got = Path(tmp) / name
         if not got.is_file():
             names = ", ".join(sorted(os.listdir(tmp))) or "nothing"
-            raise WheelUnavailable(f"pip downloaded {names}, not {WHEEL_NAME}")
-        return _adopt(got, cache)
+            raise WheelUnavailable(f"pip downloaded {names}, not {name}")
+        return _adopt(got, cache, version)
 
 
-def _offline_hint(cache: Path) -> str:
-    return (f"to work offline, put {WHEEL_NAME} (sha256 {WHEEL_SHA256}) in {cache} or run "
-            f"`python -m tools.vllm_wheel fetch --wheel FILE`")
+def _offline_hint(cache: Path, version: str = VLLM_VERSION) -> str:
+    return (f"to work offline, put {wheel_name(version)} (sha256 {PINNED_WHEELS[version]}) "
+            f"in {cache} or run `python -m tools.vllm_wheel fetch --version {version} "
+            f"--wheel FILE`")
 
 
 def ensure_wheel(cache: str | os.PathLike[str] | None = None, *, download: bool = True,
-                 timeout_s: float = DOWNLOAD_TIMEOUT_S) -> Path:
-    """The verified wheel in the cache, downloading it first if needed."""
-    where = cache_dir(cache)
-    wheel = where / WHEEL_NAME
+                 timeout_s: float = DOWNLOAD_TIMEOUT_S, version: str = VLLM_VERSION) -> Path:
+    """The verified wheel of `version` in its cache, downloading it first if needed."""
+    where = cache_dir(cache, version=version)
+    wheel = where / wheel_name(version)
     if wheel.is_file():
-        if _verified(wheel):
+        if _verified(wheel, version):
             return wheel
         bad = wheel.with_name(wheel.name + ".bad")
         os.replace(wheel, bad)
         if not download:
             raise WheelUnavailable(f"{wheel} does not match the pinned sha256 (moved to {bad})")
     if not download:
-        raise WheelUnavailable(f"no vllm {VLLM_VERSION} wheel in {where}; "
-                               f"{_offline_hint(where)}")
-    return _download(where, timeout_s)
+        raise WheelUnavailable(f"no vllm {version} wheel in {where}; "
+                               f"{_offline_hint(where, version)}")
+    return _download(where, timeout_s, version)
 
 
-def source_root(cache: str | os.PathLike[str] | None = None) -> Path:
+def source_root(cache: str | os.PathLike[str] | None = None, *,
+                version: str = VLLM_VERSION) -> Path:
     """Where extracted vLLM sources live: `<cache>/src` (holds the `vllm` package)."""
-    return cache_dir(cache) / "src"
+    return cache_dir(cache, version=version) / "src"
 
 
 def module_member(name: str, members: set[str]) -> str | None:
@@ -228,31 +293,51 @@ def module_member(name: str, members: set[str]) -> str | None:
     return None
 
 
+def absent(root: Path) -> frozenset[str]:
+    """Optional modules found missing from the wheel whose sources are under `root`."""
+    with contextlib.suppress(OSError):
+        return frozenset((root / ABSENT_FILE).read_text().split())
+    return frozenset()
+
+
 def extract(modules: Iterable[str], cache: str | os.PathLike[str] | None = None, *,
-            download: bool = True, timeout_s: float = DOWNLOAD_TIMEOUT_S) -> Path:
+            download: bool = True, timeout_s: float = DOWNLOAD_TIMEOUT_S,
+            version: str = VLLM_VERSION) -> Path:
     """Extract the source files of `modules` (dotted names) and return the source root.
 
     Files already extracted are kept; the wheel is opened only when one is
     missing, so a filled cache needs neither the network nor the wheel's
-    336 MB read.
+    300-odd MB read. A module in `OPTIONAL_MODULES` that this version's wheel
+    lacks is noted in `<root>/.absent` (and then stubbed); any other missing
+    module raises `ModuleNotInWheel`.
     """
-    root = source_root(cache)
+    root = source_root(cache, version=version)
     wanted = list(dict.fromkeys(modules))
-    missing = [m for m in wanted if _extracted(root, m) is None]
+    gone = absent(root)
+    missing = [m for m in wanted if m not in gone and _extracted(root, m) is None]
     if not missing:
         return root
-    wheel = ensure_wheel(cache, download=download, timeout_s=timeout_s)
+    wheel = ensure_wheel(cache, download=download, timeout_s=timeout_s, version=version)
+    lacking: list[str] = []
     with zipfile.ZipFile(wheel) as archive:
         members = set(archive.namelist())
         for name in missing:
             member = module_member(name, members)
             if member is None:
-                raise WheelUnavailable(f"module {name} is not in {WHEEL_NAME}")
+                if name in OPTIONAL_MODULES:
+                    lacking.append(name)
+                    continue
+                raise ModuleNotInWheel(f"module {name} is not in {wheel.name}")
             target = root / member
             target.parent.mkdir(parents=True, exist_ok=True)
             partial = target.with_name(f".{target.name}.{os.getpid()}.part")
             partial.write_bytes(archive.read(member))
             os.replace(partial, target)
+    if lacking:
+        root.mkdir(parents=True, exist_ok=True)
+        partial = root / f".{ABSENT_FILE}.{os.getpid()}.part"
+        partial.write_text("".join(f"{name}\n" for name in sorted({*gone, *lacking})))
+        os.replace(partial, root / ABSENT_FILE)
     return root
 
 
@@ -418,6 +503,7 @@ class VllmFinder(importlib.abc.MetaPathFinder):
         self.heavy = set(heavy)
         self.stand_ins = dict(stand_ins or {})
         self.stubbed: list[str] = []
+        self.absent = absent(root)
         self.keep_real = {name for name in SHIMMED_PACKAGES
                           if name in self.heavy and _real_package_available(name)}
 
@@ -430,7 +516,7 @@ class VllmFinder(importlib.abc.MetaPathFinder):
             return importlib.machinery.ModuleSpec(
                 fullname, _StubLoader(_stand_in(fullname, attributes)), is_package=True)
         if top == "vllm":
-            if fullname in self.real:
+            if fullname in self.real and fullname not in self.absent:
                 file = _extracted(self.root, fullname)
                 if file is None:
                     raise ImportError(f"{fullname} was not extracted from the vLLM wheel",
@@ -448,7 +534,7 @@ class VllmFinder(importlib.abc.MetaPathFinder):
 def install(real: Sequence[str] = COORDINATOR_REAL, *,
             cache: str | os.PathLike[str] | None = None, download: bool = True,
             heavy: Iterable[str] = HEAVY_PACKAGES,
-            stand_ins: StandIns | None = None) -> VllmFinder:
+            stand_ins: StandIns | None = None, version: str = VLLM_VERSION) -> VllmFinder:
     """Make `real` importable from the wheel in this process, for good (e.g. a peer process).
 
     Raises `WheelUnavailable` if the wheel can be neither found nor fetched.
@@ -456,7 +542,7 @@ def install(real: Sequence[str] = COORDINATOR_REAL, *,
     left as they are; stubs replace only what is not loaded.
     """
     root = extract([name for name in real if name not in (stand_ins or {})], cache,
-                   download=download)
+                   download=download, version=version)
     for name in list(sys.modules):
         if name == "vllm" or name.startswith("vllm."):
             del sys.modules[name]
@@ -469,8 +555,8 @@ def install(real: Sequence[str] = COORDINATOR_REAL, *,
 @contextlib.contextmanager
 def vllm_modules(*wanted: str, real: Sequence[str] = COORDINATOR_REAL,
                  cache: str | os.PathLike[str] | None = None, download: bool = True,
-                 heavy: Iterable[str] = HEAVY_PACKAGES,
-                 stand_ins: StandIns | None = None) -> Iterator[dict[str, types.ModuleType]]:
+                 heavy: Iterable[str] = HEAVY_PACKAGES, stand_ins: StandIns | None = None,
+                 version: str = VLLM_VERSION) -> Iterator[dict[str, types.ModuleType]]:
     """Import `wanted` (dotted names, each also run from source) with everything else stubbed.
 
         with vllm_modules("vllm.v1.engine.coordinator") as mods:
@@ -488,7 +574,7 @@ def vllm_modules(*wanted: str, real: Sequence[str] = COORDINATOR_REAL,
     before = {name: module for name, module in sys.modules.items()
               if name == "vllm" or name.startswith("vllm.")}
     finder = install(tuple(dict.fromkeys((*real, *wanted))), cache=cache,
-                     download=download, heavy=heavy, stand_ins=stand_ins)
+                     download=download, heavy=heavy, stand_ins=stand_ins, version=version)
     try:
         yield {name: importlib.import_module(name) for name in wanted}
     finally:
@@ -501,8 +587,8 @@ def vllm_modules(*wanted: str, real: Sequence[str] = COORDINATOR_REAL,
 
 
 def load(*wanted: str, real: Sequence[str] = (), stand_ins: StandIns | None = None,
-         cache: str | os.PathLike[str] | None = None,
-         download: bool = True) -> dict[str, types.ModuleType]:
+         cache: str | os.PathLike[str] | None = None, download: bool = True,
+         version: str = VLLM_VERSION) -> dict[str, types.ModuleType]:
     """`wanted` imported as `vllm_modules` does, with the import system restored at once.
 
     Only `wanted` (and `real`) run from the wheel. The returned modules keep
@@ -510,17 +596,18 @@ def load(*wanted: str, real: Sequence[str] = (), stand_ins: StandIns | None = No
     Raises `WheelUnavailable` if the wheel can be neither found nor fetched.
     """
     with vllm_modules(*wanted, real=real, stand_ins=stand_ins, cache=cache,
-                      download=download) as modules:
+                      download=download, version=version) as modules:
         return modules
 
 
 # ---- command line -----------------------------------------------------------------------
 
 
-def _check(cache: str | None, download: bool) -> int:
-    with vllm_modules("vllm.v1.engine.coordinator", cache=cache, download=download) as mods:
+def _check(cache: str | None, download: bool, version: str) -> int:
+    with vllm_modules("vllm.v1.engine.coordinator", cache=cache, download=download,
+                      version=version) as mods:
         proc = mods["vllm.v1.engine.coordinator"].DPCoordinatorProc
-        print(f"vLLM {VLLM_VERSION}: {proc.__module__}.{proc.__qualname__} imported from "
+        print(f"vLLM {version}: {proc.__module__}.{proc.__qualname__} imported from "
               f"{mods['vllm.v1.engine.coordinator'].__file__}")
     return 0
 
@@ -529,23 +616,34 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.vllm_wheel",
                                      description=__doc__.split("\n", 1)[0])
     parser.add_argument("command", choices=("fetch", "check", "path"))
-    parser.add_argument("--cache", default=None, help=f"cache directory (default ${CACHE_ENV} "
-                        f"or {DEFAULT_CACHE})")
+    parser.add_argument("--version", default=None, action="append", dest="versions",
+                        help=f"a pinned vLLM release ({', '.join(VERSIONS)}; default "
+                        f"{VLLM_VERSION}); repeat for several, or 'all'")
+    parser.add_argument("--cache", default=None, help=f"cache directory of one version "
+                        f"(default ${CACHE_ENV} for {VLLM_VERSION}, else "
+                        f"${CACHE_ROOT_ENV}/vllm-<version>, else .cache/vllm-<version>)")
     parser.add_argument("--wheel", default=None, metavar="FILE",
                         help="fill the cache from this wheel file instead of downloading")
     parser.add_argument("--offline", action="store_true", help="never download")
     args = parser.parse_args(argv)
+    chosen = args.versions or [VLLM_VERSION]
+    versions = list(VERSIONS) if "all" in chosen else list(dict.fromkeys(chosen))
     try:
-        if args.wheel:
-            print(_adopt(Path(args.wheel), cache_dir(args.cache)))
-            return 0
-        if args.command == "fetch":
-            print(ensure_wheel(args.cache, download=not args.offline))
-            return 0
-        if args.command == "path":
-            print(cache_dir(args.cache))
-            return 0
-        return _check(args.cache, not args.offline)
+        for version in versions:
+            check_version(version)
+        if (args.wheel or args.cache) and len(versions) != 1:
+            raise WheelUnavailable("--wheel and --cache take exactly one --version")
+        for version in versions:
+            if args.wheel:
+                print(_adopt(Path(args.wheel), cache_dir(args.cache, version=version),
+                             version))
+            elif args.command == "fetch":
+                print(ensure_wheel(args.cache, download=not args.offline, version=version))
+            elif args.command == "path":
+                print(cache_dir(args.cache, version=version))
+            else:
+                _check(args.cache, not args.offline, version)
+        return 0
     except WheelUnavailable as exc:
         print(f"vllm wheel unavailable: {exc}", file=sys.stderr)
         return 1
@@ -556,7 +654,9 @@ if __name__ == "__main__":
 
 
 __all__ = [
-    "COORDINATOR_REAL", "HEAVY_PACKAGES", "KV_EVENTS_REAL", "VLLM_VERSION", "WHEEL_NAME",
-    "WHEEL_SHA256", "Stub", "StubModule", "VllmFinder", "WheelUnavailable", "cache_dir",
-    "ensure_wheel", "extract", "install", "load", "source_root", "vllm_modules",
+    "COORDINATOR_REAL", "HEAVY_PACKAGES", "KV_EVENTS_REAL", "OPTIONAL_MODULES",
+    "PINNED_WHEELS", "VERSIONS", "VLLM_VERSION", "WHEEL_NAME", "WHEEL_SHA256",
+    "ModuleNotInWheel", "Stub", "StubModule", "VllmFinder", "WheelUnavailable", "absent",
+    "cache_dir", "check_version", "ensure_wheel", "extract", "install", "load", "source_root",
+    "vllm_modules", "wheel_name",
 ]

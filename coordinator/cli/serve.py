@@ -6,6 +6,7 @@ import argparse
 from collections.abc import Sequence
 
 from coordinator._zmq import LOOP_CHOICES
+from coordinator.core.ranks.versions import SUPPORTED_RANGE
 from coordinator.server.http import add_observability_arguments
 
 SERVE_EPILOG = """\
@@ -117,6 +118,9 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
                    help="the pre-0.33 first-request wake [engine, wave] on front_publish: "
                    "honour (default; vLLM 0.29-0.32 MoE groups hang without it) or ignore "
                    "(drop and count it, as vLLM 0.33's coordinator does)")
+    p.add_argument("--require-supported-vllm", action="store_true",
+                   help="refuse engines whose greeting names a vLLM outside the supported "
+                   f"range ({SUPPORTED_RANGE}); by default they are used and logged once")
     p.add_argument("--loop", default="auto", choices=list(LOOP_CHOICES),
                    help="event loop (default auto: uvloop when installed)")
     p.add_argument("--log-level", default="info",
@@ -211,6 +215,7 @@ def run_serve(args: argparse.Namespace) -> int:
         coord_store_port=args.coord_store_port,
         vllm_compat=args.vllm_compat,
         frontend_wake=args.frontend_wake == "honour",
+        require_supported_vllm=args.require_supported_vllm,
         loop=args.loop,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,

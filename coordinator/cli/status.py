@@ -170,15 +170,22 @@ def _watch(query: StateQuery, args: argparse.Namespace, console: Console) -> int
 
 
 def version_line(engines: Sequence[fp.EngineStatus]) -> Text | None:
-    """Which vLLM the ranks' greetings named (None: none named one), red if they differ."""
+    """Which vLLM the ranks' greetings named (None: none named one), red if they differ
+    or one is outside the supported range."""
     by_version: dict[str, list[int]] = {}
     for e in engines:
         if e.vllm_version is not None:
             by_version.setdefault(e.vllm_version, []).append(e.rank)
     if not by_version:
         return None
+    from coordinator.core.ranks.versions import SUPPORTED_RANGE, is_supported
+
+    outside = [v for v in by_version if not is_supported(v)]
+    note = (f" ({', '.join(outside)} outside the supported {SUPPORTED_RANGE})"
+            if outside else "")
     if len(by_version) == 1:
-        return Text(f"vLLM {next(iter(by_version))} on every rank that greeted")
+        return Text(f"vLLM {next(iter(by_version))} on every rank that greeted{note}",
+                    style="bold red" if outside else "")
     return Text("vLLM versions differ: " + "; ".join(
-        f"{v} on rank {', '.join(map(str, ranks))}" for v, ranks in by_version.items()),
+        f"{v} on rank {', '.join(map(str, ranks))}" for v, ranks in by_version.items()) + note,
         style="bold red")

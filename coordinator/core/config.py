@@ -33,6 +33,9 @@ class CoreConfig:
     frontend_wake: bool = True
     """Honour the pre-0.33 frontend wake in lockstep (vLLM 0.29 to 0.32 MoE groups hang
     without it); False drops it, as vLLM 0.33's coordinator does."""
+    require_supported_vllm: bool = False
+    """Refuse a rank whose greeting names a vLLM outside the supported range
+    (``ranks.versions.SUPPORTED_RANGE``); by default such a rank is used and logged once."""
     frontend_lease_ttl_s: float = 30.0
     """A frontend registration not renewed (traffic, heartbeats) for this long expires."""
     admin_keys: frozenset[str] = frozenset()

@@ -95,7 +95,7 @@ def core_config(cfg: ServerConfig, admin_keys: frozenset[str] = frozenset()) -> 
         handshake_ttl_s=cfg.handshake_timeout_s, publish_interval_s=cfg.publish_interval_s,
         heartbeat_s=cfg.heartbeat_s, first_publish_delay_s=cfg.first_publish_delay_s,
         policy=cfg.policy, row_width=cfg.row_width,
-        frontend_wake=cfg.frontend_wake,
+        frontend_wake=cfg.frontend_wake, require_supported_vllm=cfg.require_supported_vllm,
         watchdog_stall_s=cfg.watchdog_stall_s, watchdog_rewake=cfg.watchdog_rewake,
         recorder_size=cfg.recorder_size, persist=cfg.state_file is not None,
         admin_keys=admin_keys, min_engines=cfg.min_engines, max_engines=cfg.max_engines,

@@ -67,6 +67,8 @@ class ServerConfig:
     frontend_wake: bool = True
     """Honour the pre-0.33 frontend wake `[engine, wave]` on front_publish (vLLM 0.29 to
     0.32 MoE groups need it); False drops it, as vLLM 0.33's coordinator does."""
+    require_supported_vllm: bool = False
+    """Refuse ranks whose vLLM is outside the supported range (default: log once)."""
     loop: str = "auto"
     """Event loop: "auto" (uvloop when installed), "uvloop" or "asyncio"."""
     log_interval_s: float = 5.0

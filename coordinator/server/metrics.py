@@ -21,6 +21,7 @@ from prometheus_client.metrics_core import (
 )
 
 from coordinator.core.dispatch.balancer import balance_ratio
+from coordinator.core.ranks.versions import SUPPORTED_RANGE, is_supported
 from coordinator.server.observe import ObservedState
 from coordinator.server.prefix_metrics import prefix_metrics
 
@@ -111,6 +112,9 @@ def _rank_metrics(snap: ObservedState) -> Iterator[Metric]:
                             "stats report (absent until it reports)", labels=["rank"])
     dispatches = CounterMetricFamily(_name("dispatches"), "Requests the coordinator dispatched "
                                      "to the rank", labels=["rank"])
+    info = GaugeMetricFamily(_name("engine_info"), "1 per rank whose engine named its vLLM "
+                             f"version; supported is whether it is in {SUPPORTED_RANGE}",
+                             labels=["rank", "vllm_version", "supported"])
     known = set(RANK_STATES) | {view.state for view in snap.ranks}
     states = [*RANK_STATES, *sorted(known - set(RANK_STATES))]
     for view in snap.ranks:
@@ -122,9 +126,12 @@ def _rank_metrics(snap: ObservedState) -> Iterator[Metric]:
         dispatches.add_metric([rank], view.dispatched)
         if view.report_age_s is not None:
             age.add_metric([rank], view.report_age_s)
+        if view.vllm_version is not None:
+            supported = "true" if is_supported(view.vllm_version) else "false"
+            info.add_metric([rank, view.vllm_version, supported], 1.0)
         for name in states:
             state.add_metric([rank, name], 1.0 if view.state == name else 0.0)
-    yield from (waiting, running, kv, in_flight, state, age, dispatches)
+    yield from (waiting, running, kv, in_flight, state, age, dispatches, info)
 
 
 def _group_metrics(published: Published, now: float) -> Iterator[Metric]:

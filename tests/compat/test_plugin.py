@@ -179,7 +179,7 @@ def test_the_patched_launcher_starts_our_process(
 
 
 @pytest.mark.parametrize("version", [
-    "0.32.2", "0.34.0", "1.33.0", "0.33.0rc1", "0.33.1.dev12+g4ba787ec9", "0.33", "dev", None,
+    "0.28.2", "0.34.0", "1.33.0", "0.33.0rc1", "0.33.1.dev12+g4ba787ec9", "0.33", "dev", None,
 ])
 def test_refuses_versions_it_does_not_target(
     standin_vllm: StandIn, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
@@ -193,10 +193,18 @@ def test_refuses_versions_it_does_not_target(
     assert "vllm.v1.engine.utils" not in sys.modules
     [record] = caplog.records
     assert record.levelno == logging.WARNING
-    assert f"vLLM {version} is not a version dp-coordinator targets (0.33.x)" in record.message
+    assert (f"vLLM {version} is not a version dp-coordinator targets (0.29.x to 0.33.x): "
+            in record.message)
+    why = {"0.28.2": "older than any release", "0.34.0": "newer than the last release checked",
+           "1.33.0": "newer than the last release checked", None: "no version string"}
+    assert why.get(version, "not a final release") in record.message
 
 
 @pytest.mark.parametrize(("version", "targeted"), [
+    ("0.29.0", True),
+    ("0.30.1", True),
+    ("0.32.2", True),
+    ("0.28.9", False),
     ("0.33.0", True),
     ("0.33.4", True),
     ("0.33.0+cu129", True),

@@ -60,9 +60,9 @@ def make_snapshot(**overrides: object) -> ObservedState:
         "lockstep": True,
         "ranks": [
             RankView(0, "ready", waiting=2, running=4, kv_cache_usage=0.25, dispatched=12,
-                     report_age_s=0.1, in_flight=5),
+                     report_age_s=0.1, in_flight=5, vllm_version="0.33.0"),
             RankView(1, "ready", waiting=0, running=3, kv_cache_usage=0.5, dispatched=8,
-                     report_age_s=0.2, in_flight=3),
+                     report_age_s=0.2, in_flight=3, vllm_version="0.28.1"),
             RankView(2, "dead", dispatched=0, report_age_s=None),
         ],
         "counters": dict(COUNTERS),
@@ -175,6 +175,7 @@ def test_every_metric_family_with_its_values(endpoints: HttpEndpoints) -> None:
         "dp_coordinator_watchdog_alert", "dp_coordinator_snapshot_age_seconds",
         "dp_coordinator_refused", "dp_coordinator_dropped_frames",
         "dp_coordinator_send_dropped", "dp_coordinator_handshakes", "dp_coordinator_events",
+        "dp_coordinator_engine_info",
     }
     # per rank
     assert value(s, "dp_coordinator_rank_waiting", rank="0") == 2
@@ -184,6 +185,11 @@ def test_every_metric_family_with_its_values(endpoints: HttpEndpoints) -> None:
     assert value(s, "dp_coordinator_dispatches_total", rank="0") == 12
     assert value(s, "dp_coordinator_rank_report_age_seconds", rank="1") == 0.2
     assert frozenset({("rank", "2")}) not in s["dp_coordinator_rank_report_age_seconds"]
+    # each rank's vLLM, and whether it is in the supported range (rank 2 named none)
+    assert s["dp_coordinator_engine_info"] == {
+        frozenset({("rank", "0"), ("vllm_version", "0.33.0"), ("supported", "true")}): 1,
+        frozenset({("rank", "1"), ("vllm_version", "0.28.1"), ("supported", "false")}): 1,
+    }
     states = {dict(k)["state"]: v for k, v in s["dp_coordinator_rank_state"].items()
               if dict(k)["rank"] == "2"}
     assert states == {"absent": 0, "handshaking": 0, "ready": 0, "draining": 0,

@@ -67,6 +67,12 @@ def test_status_says_which_vllm_the_ranks_run_and_flags_a_mix() -> None:
         state_tables(state("0.33.0", None, "0.33.0")), 80)
     text = rendered(state_tables(state("0.33.0", "0.32.0", "0.33.0")), 100)
     assert "vLLM versions differ: 0.33.0 on rank 0, 2; 0.32.0 on rank 1" in text
+    assert "outside the supported" not in text
+    text = rendered(state_tables(state("0.34.0", "0.34.0")), 120)
+    assert "vLLM 0.34.0 on every rank that greeted (0.34.0 outside the supported 0.29.x to " \
+        "0.33.x)" in text
+    text = rendered(state_tables(state("0.28.0", "0.32.0")), 120)
+    assert "0.28.0 on rank 0; 0.32.0 on rank 1 (0.28.0 outside the supported" in text
 
 
 def row_lines(text: str, rank_count: int) -> list[str]:

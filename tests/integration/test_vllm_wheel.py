@@ -213,3 +213,41 @@ def test_a_callers_stand_ins_replace_vllms_modules_and_are_gone_afterwards(
     batch = kv.KVEventBatch(ts=1.0, events=[kv.AllBlocksCleared()], data_parallel_rank=2)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(batch)) == [
         1.0, [{"type": "AllBlocksCleared"}], 2]
+
+
+def test_every_supported_release_is_pinned_with_its_own_cache(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert vllm_wheel.VERSIONS == ("0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")
+    monkeypatch.delenv(vllm_wheel.CACHE_ENV, raising=False)
+    monkeypatch.setenv(vllm_wheel.CACHE_ROOT_ENV, str(tmp_path))
+    dirs = {vllm_wheel.cache_dir(version=v) for v in vllm_wheel.VERSIONS}
+    assert dirs == {tmp_path / f"vllm-{v}" for v in vllm_wheel.VERSIONS}
+    assert vllm_wheel.wheel_name("0.29.0") == "vllm-0.29.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+    with pytest.raises(vllm_wheel.WheelUnavailable, match=r"0\.28\.0 is not pinned here"):
+        vllm_wheel.cache_dir(version="0.28.0")
+
+
+def test_an_old_release_lacking_a_helper_module_gets_it_stubbed() -> None:
+    """0.29-0.31 have no vllm/logging_utils/uvicorn_logging.py: it is a stub for them."""
+    try:
+        vllm_wheel.ensure_wheel(version="0.29.0", timeout_s=600)
+    except vllm_wheel.WheelUnavailable as exc:
+        pytest.skip(f"vLLM 0.29.0 wheel unavailable: {exc}")
+    with vllm_wheel.vllm_modules("vllm.v1.engine.coordinator", version="0.29.0") as mods:
+        assert mods["vllm.v1.engine.coordinator"].DPCoordinatorProc
+        import importlib
+
+        helper = importlib.import_module("vllm.logging_utils.uvicorn_logging")
+        assert isinstance(helper, vllm_wheel.StubModule)
+    root = vllm_wheel.source_root(version="0.29.0")
+    assert "vllm.logging_utils.uvicorn_logging" in vllm_wheel.absent(root)
+
+
+def test_a_module_a_release_lacks_fails_loudly_unless_optional() -> None:
+    try:
+        vllm_wheel.ensure_wheel(version="0.29.0", timeout_s=600)
+    except vllm_wheel.WheelUnavailable as exc:
+        pytest.skip(f"vLLM 0.29.0 wheel unavailable: {exc}")
+    with pytest.raises(vllm_wheel.ModuleNotInWheel, match=r"vllm\.v1\.no_such_module is not in"):
+        vllm_wheel.extract(["vllm.v1.no_such_module"], version="0.29.0")
+    assert not issubclass(vllm_wheel.ModuleNotInWheel, vllm_wheel.WheelUnavailable)

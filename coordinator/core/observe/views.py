@@ -41,6 +41,8 @@ class RankView:
     report_age_s: float | None = None
     """Seconds since this rank's last stats report (None: never reported)."""
     in_flight: int = 0
+    vllm_version: str | None = None
+    """The vLLM version the rank's engine named in its greeting (None: none named)."""
 
 
 @dataclass(frozen=True)
@@ -219,6 +221,7 @@ class CoreViews:
                 dispatched=dispatch.dispatched_by_rank[rank],
                 report_age_s=watchdog.report_age(rank, now),
                 in_flight=dispatch.requests.count(rank),
+                vllm_version=self._ranks.vllm_versions.get(rank) if lease else None,
             ))
         return OperatorView(
             wave=wave, running=running, lockstep=self._lockstep, ranks=ranks,
