@@ -309,7 +309,6 @@ ERR_BAD_CLIENT_INDEX = "bad_client_index"
 ERR_TOO_LARGE = "too_large"
 ERR_NOT_AUTHORIZED = "not_authorized"
 ERR_NOT_REGISTERED = "not_registered"
-ERR_UNDELIVERABLE = "undeliverable"
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(FrontendRequest)

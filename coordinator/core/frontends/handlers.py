@@ -76,7 +76,6 @@ class FrontendHandlers:
         # Nothing changed in between: the outcome is reported right after the send.
         if registry.pin_outputs():
             out.state_changed()
-        registry.note_init(rank)
         if not registry.inits_sent:
             registry.inits_sent = True
             out.state_changed()
@@ -102,15 +101,6 @@ class FrontendHandlers:
         else:
             out.log(INFO, "frontend client_index=%d registered (outputs at %s)",
                     msg.client_index, msg.output_address, key=f"register:{msg.client_index}")
-        blind = self.registry.undeliverable_indices().get(msg.client_index)
-        if blind:
-            self._journal.counters["frontend.undeliverable"] += 1
-            out.log(WARNING, "frontend client_index=%d registered after dp_rank %s got their "
-                    "INIT, which did not carry its output address: those engines cannot "
-                    "deliver its outputs, so its requests go only to other ranks (refused "
-                    "when there are none). Start the coordinator with --frontends N, or "
-                    "restart those engines", msg.client_index, ", ".join(map(str, blind)),
-                    key=f"undeliverable-register:{msg.client_index}")
         wave, running = self._waves.snapshot()
         out.reply(identity, fp.Registered(
             msg.call_id, msg.client_index, self._span.start, len(self._span), wave, running,
