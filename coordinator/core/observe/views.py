@@ -223,10 +223,11 @@ class CoreViews:
                 in_flight=dispatch.requests.count(rank),
                 vllm_version=self._ranks.vllm_versions.get(rank) if lease else None,
             ))
+        group = self.group_state(now)  # its counters are the view's: built once
         return OperatorView(
             wave=wave, running=running, lockstep=self._lockstep, ranks=ranks,
-            counters=self.counter_values(), totals=self._waves.timeline.totals(now),
+            counters=dict(group.counters), totals=self._waves.timeline.totals(now),
             watchdog=[alert.as_dict(now) for alert in watchdog.active],
-            all_ready=membership.all_ready(now=now), group=self.group_state(now),
+            all_ready=membership.all_ready(now=now), group=group,
             policy=self._policy, prefix=self.prefix_view(),
         )
