@@ -119,8 +119,9 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
                    "honour (default; vLLM 0.29-0.32 MoE groups hang without it) or ignore "
                    "(drop and count it, as vLLM 0.33's coordinator does)")
     p.add_argument("--require-supported-vllm", action="store_true",
-                   help="refuse engines whose greeting names a vLLM outside the supported "
-                   f"range ({SUPPORTED_RANGE}); by default they are used and logged once")
+                   help="cordon engines whose greeting names a vLLM outside the supported "
+                   f"range ({SUPPORTED_RANGE}): they stay in the wave but get no requests "
+                   "(uncordon overrides); by default they are used and logged once")
     p.add_argument("--loop", default="auto", choices=list(LOOP_CHOICES),
                    help="event loop (default auto: uvloop when installed)")
     p.add_argument("--log-level", default="info",

@@ -681,3 +681,33 @@ def test_each_ranks_vllm_version_is_in_the_state_and_a_mix_is_logged(
     wait_until(lambda: "different vLLM versions" in handle.stderr_text(), timeout=5.0,
                what="the mix logged")
     assert handle.stderr_text().count("different vLLM versions") == 1
+
+
+def test_require_supported_vllm_cordons_an_old_rank_and_says_why(
+    coordinator: CoordinatorFactory, zmq_ctx: Any
+) -> None:
+    """With --require-supported-vllm a rank whose greeting names a vLLM outside the
+    supported range stays in the wave but is cordoned, counted and logged with the
+    override."""
+    from tests.vllm_peers import RawEngine, RawFrontend, pack, ready_response
+
+    handle = coordinator(2, extra_args=["--require-supported-vllm"])
+    engines = [RawEngine(zmq_ctx, handle.addresses, rank, dp_size=2) for rank in (0, 1)]
+    for engine, version in zip(engines, ("0.33.0", "0.28.1"), strict=True):
+        engine.hello()
+        engine.connect_plane()
+        engine.subscribe()
+        engine.greet(pack({**ready_response(engine.rank, 2), "vllm_version": version}))
+    for engine in engines:
+        assert engine.expect_publish() == [READY]
+        engine.send_ready("cfg-hash-1")
+    front = RawFrontend(zmq_ctx, handle.addresses)
+    states = wait_until(
+        lambda: (s := [e[1] for e in front.state()["engines"]]) == ["ready", "cordoned"] and s,
+        timeout=10.0, what="rank 1 cordoned for its version")
+    assert states
+    assert wait_until(lambda: front.counters().get("refused.dispatch.vllm_version") == 1,
+                      timeout=10.0, what="the refusal counted")
+    wait_until(lambda: "uncordon 1" in handle.stderr_text(), timeout=10.0,
+               what="the refusal logged with its override")
+    assert "dp_rank=1 runs vLLM '0.28.1'" in handle.stderr_text()

@@ -542,6 +542,54 @@ def test_each_ranks_vllm_version_is_shown_and_a_disagreement_logged_once() -> No
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(state.engines[0]))[9] is None
 
 
+def test_a_version_outside_the_range_is_warned_once_and_still_used() -> None:
+    from coordinator.core.events import EngineGreeted
+
+    driver = group(engines=2)
+    driver.feed(EngineGreeted(0, vllm_version="0.28.1"))
+    driver.feed(EngineGreeted(0, vllm_version="0.28.1"))
+    driver.feed(EngineGreeted(1, vllm_version="0.28.1"))
+    assert driver.log_text().count("outside the supported range") == 1
+    assert driver.core.membership.state(0) is RankState.READY
+    reply = driver.submit("r1", rank=0)
+    assert isinstance(reply, fp.Submitted)
+    assert "refused.dispatch.vllm_version" not in driver.core.counter_values()
+
+
+def test_with_require_supported_vllm_an_old_rank_is_cordoned_once_per_incarnation() -> None:
+    from coordinator.core.events import EngineGreeted
+
+    driver = group(engines=2, require_supported_vllm=True)
+    driver.feed(EngineGreeted(0, vllm_version="0.33.0"))
+    driver.feed(EngineGreeted(1, vllm_version="0.28.1"))
+    core = driver.core
+    assert core.membership.state(0) is RankState.READY
+    assert core.membership.state(1) is RankState.CORDONED
+    assert core.counter_values()["refused.dispatch.vllm_version"] == 1
+    text = driver.log_text()
+    assert "dp_rank=1 runs vLLM '0.28.1'" in text and "uncordon 1" in text
+    for n in range(4):
+        reply = driver.submit(f"r{n}")
+        assert isinstance(reply, fp.Submitted) and reply.rank == 0
+    assert error_code(driver.submit("pinned", rank=1)) != ""
+    # The operator's uncordon of that incarnation stands, even when it greets again.
+    driver.operator(fp.Admin(driver.call_id(), "uncordon", 1))
+    driver.feed(EngineGreeted(1, vllm_version="0.28.1"))
+    assert core.membership.state(1) is RankState.READY
+    assert core.counter_values()["refused.dispatch.vllm_version"] == 1
+
+
+def test_a_version_named_before_ready_is_refused_when_the_rank_becomes_ready() -> None:
+    from coordinator.core.events import EngineGreeted
+
+    driver = Driver.start(engines=2, require_supported_vllm=True)
+    driver.feed(EngineGreeted(1, vllm_version="0.34.0.dev3"))
+    driver.start_group(range(2))
+    assert driver.core.membership.state(1) is RankState.CORDONED
+    assert driver.core.membership.state(0) is RankState.READY
+    assert "pre-release or development build" in driver.log_text()
+
+
 # ---- elastic resize ------------------------------------------------------------------------
 
 

@@ -42,6 +42,7 @@ from coordinator.core.ranks.membership import (
     Refused,
 )
 from coordinator.core.ranks.span import RankSpan
+from coordinator.core.ranks.versions import VersionAction, check_version
 from coordinator.protocol import frontend as fp
 from coordinator.protocol import vllm
 from coordinator.protocol.errors import ProtocolError
@@ -89,6 +90,10 @@ class RankHandlers:
         self.vllm_versions: dict[int, str] = {}
         """The ``vllm_version`` each rank's greeting named (kept while it is in range)."""
         self._versions_differ_logged = False
+        self._versions_warned: set[str] = set()
+        self._version_refused: dict[int, int] = {}
+        """rank -> the incarnation cordoned for its vLLM version (once each: an operator's
+        uncordon of that incarnation is not undone)."""
         self._hellos_probing: dict[int, HandshakeReceived] = {}
         self._quiet_after_s = liveness.quiet_after_s(config.lease_ttl_s)
         self._heard_within_s = liveness.heard_within_s(config.lease_ttl_s)
@@ -183,6 +188,7 @@ class RankHandlers:
             self.refuse_handshake(event.identity, result.reason.value, result.message, now, out)
             return
         self._note_accepted("ready", result, now, out)
+        self._enforce_vllm_version(event.rank, now, out)
         if result.lease.protocol_version is not None:
             # Only this project's engine SDK waits for ACCEPTED: a vLLM engine closes its
             # handshake socket right after READY and never reads a reply.
@@ -205,6 +211,7 @@ class RankHandlers:
         greeting = self.membership.greeted(rank, now, event.conn)
         if greeting is not Greeting.SECOND_CLAIM and event.vllm_version is not None:
             self._note_vllm_version(rank, event.vllm_version, out)
+            self._enforce_vllm_version(rank, now, out)
         if greeting is Greeting.BOUND or greeting is Greeting.REPEATED:
             counters["dispatch.greetings"] += 1
             # Only the greeting that binds a connection is news: a connect is logged once,
@@ -245,6 +252,38 @@ class RankHandlers:
                 "between releases (docs/vllm.md), run one version on every rank",
                 "; ".join(f"{v} on dp_rank {', '.join(map(str, rs))}"
                           for v, rs in by_version.items()), key="vllm-versions")
+
+    def _enforce_vllm_version(self, rank: int, now: float, out: Outbox) -> None:
+        """Warn once per version outside the supported range; with
+        ``require_supported_vllm``, cordon the rank's incarnation once it is READY."""
+        version = self.vllm_versions.get(rank)
+        if version is None:
+            return
+        check = check_version(rank, version,
+                              require_supported=self._config.require_supported_vllm)
+        if check.action is VersionAction.ACCEPT:
+            return
+        if check.action is VersionAction.WARN:
+            # Versions are peer input: the set of those already warned about is capped.
+            if version not in self._versions_warned and len(self._versions_warned) < 64:
+                self._versions_warned.add(version)
+                out.log(WARNING, "%s", check.message, key=f"vllm-version:{version}")
+            return
+        lease = self.membership.lease(rank)
+        if lease is None or lease.state is not RankState.READY:
+            return  # refused when it becomes READY (cordoning needs a joined rank)
+        if self._version_refused.get(rank) == lease.incarnation:
+            return  # an operator uncordoned this very incarnation: that is their call
+        self._version_refused[rank] = lease.incarnation
+        result = self.membership.cordon(rank, now=now, cause=f"cordoned: {check.message}")
+        if isinstance(result, Refused):
+            return
+        self._journal.counters["refused.dispatch.vllm_version"] += 1
+        self._journal.record(now, KIND_REFUSAL, "vllm_version", rank=rank,
+                             engine_id=lease.engine_id, message=check.message)
+        out.log(ERROR, "%s; it stays in the wave but gets no requests (`dp-coordinator "
+                "uncordon %d` overrides)", check.message, rank, key=f"vllm-refused:{rank}")
+        self._fanout.rank_changed(result, now, out)
 
     def on_peer_connected(self, event: PeerConnected, now: float) -> None:
         if event.socket == "dispatch":

@@ -600,9 +600,11 @@ class Membership:
 
     # -- operator commands -----------------------------------------------------
 
-    def cordon(self, rank: int, *, now: float | None = None) -> RankChanged | Refused:
-        """Keep ``rank`` in the wave but send it no new requests, until uncordoned."""
-        return self._command(rank, LeaseEvent.CORDON, now)
+    def cordon(self, rank: int, *, now: float | None = None,
+               cause: str | None = None) -> RankChanged | Refused:
+        """Keep ``rank`` in the wave but send it no new requests, until uncordoned.
+        ``cause`` replaces the operator's cause when a rule of the coordinator cordons."""
+        return self._command(rank, LeaseEvent.CORDON, now, cause)
 
     def uncordon(self, rank: int, *, now: float | None = None) -> RankChanged | Refused:
         """Return a cordoned or draining rank to dispatch."""
@@ -716,7 +718,8 @@ class Membership:
                 return self._group_config_hash
         return None
 
-    def _command(self, rank: int, event: LeaseEvent, now: float | None) -> RankChanged | Refused:
+    def _command(self, rank: int, event: LeaseEvent, now: float | None,
+                 cause: str | None = None) -> RankChanged | Refused:
         out_of_range = self.check_rank(rank)
         if out_of_range is not None:
             return out_of_range
@@ -743,7 +746,7 @@ class Membership:
         old = lease.state
         lease.state = new
         self._dispatchable = None
-        return RankChanged(rank, old, new, _COMMAND_CAUSES[event])
+        return RankChanged(rank, old, new, cause or _COMMAND_CAUSES[event])
 
     def _mismatch_message(self, holder: EngineLease, engine_id: str | None, now: float) -> str:
         rank = holder.rank
