@@ -361,6 +361,30 @@ def test_step_snapshot_is_published_before_current_counts(
     assert_clean(plane)
 
 
+def test_an_engines_report_superseded_in_one_read_still_makes_its_step_snapshot(
+    coordinator: CoordinatorFactory, zmq_ctx: Ctx
+) -> None:
+    """Step 1 of engine 0, step 1 of engine 1, step 2 of engine 0, on one pipe: they
+    are read in one batch, where engine 0's first report is superseded by its second.
+    Its counts are still what the step-1 snapshot (published first) holds."""
+    plane = make_plane(coordinator, zmq_ctx, 2, lockstep=True)
+    plane.report(1, engine_outputs(1, start_wave=0))
+    plane.expect_wave_publish(0, True)
+    push = plane.engines[0].push
+    assert push is not None
+    push.send(stats_report(1, step=0))
+    plane.front.next_full_publish()
+    push.send(stats_report(0, waiting=2, running=1, step=1))
+    push.send(stats_report(1, waiting=3, running=0, step=1))
+    push.send(stats_report(0, waiting=9, running=4, step=2))
+    step1 = full_publish([(2, 1, 0.0), (3, 0, 0.0)], 0, True)
+    current = full_publish([(9, 4, 0.0), (3, 0, 0.0)], 0, True)
+    first = plane.front.next_full_publish()
+    assert first == step1, unpack(first)
+    assert plane.front.next_full_publish() == current
+    assert_clean(plane)
+
+
 BAD_REPORTS: list[tuple[str, bytes]] = [
     ("rank_out_of_range", stats_report(4, waiting=99)),  # engine_index >= N
     ("rank_out_of_range", engine_outputs(5, start_wave=9)),
