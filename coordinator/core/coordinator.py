@@ -151,7 +151,7 @@ class CoordinatorCore:
                             self.kv.index)
         self.dispatch = DispatchHandlers(config, self.journal, self.span,
                                          self.ranks.membership, choice, self.waves,
-                                         self._frontend_identities)
+                                         self._frontend_identities, self._blind_ranks)
         self.frontends = FrontendHandlers(config, self.journal, self.span,
                                           self.dispatch.requests, self.waves)
         self.views = CoreViews(journal=self.journal, span=self.span, lockstep=config.lockstep,
@@ -306,6 +306,9 @@ class CoordinatorCore:
 
     def _frontend_identities(self) -> list[bytes]:
         return self.frontends.registry.identities()
+
+    def _blind_ranks(self, identity: bytes) -> set[int]:
+        return self.frontends.registry.blind_ranks(identity)
 
     # ---- outputs ---------------------------------------------------------------------------
 

@@ -201,6 +201,10 @@ class Registered(_Message, tag="registered"):
     wave: int
     running: bool
     lockstep: bool
+    undeliverable_ranks: list[int] = []
+    """Ranks whose INIT went out before this index registered, without its output
+    address: they cannot deliver its outputs, so its requests never go there (empty
+    when every rank can; older decoders ignore the element)."""
 
 
 class Submitted(_Message, tag="submitted"):
@@ -309,6 +313,7 @@ ERR_BAD_CLIENT_INDEX = "bad_client_index"
 ERR_TOO_LARGE = "too_large"
 ERR_NOT_AUTHORIZED = "not_authorized"
 ERR_NOT_REGISTERED = "not_registered"
+ERR_UNDELIVERABLE = "undeliverable"
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(FrontendRequest)

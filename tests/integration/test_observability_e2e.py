@@ -841,11 +841,12 @@ async def test_top_once_renders_ranks_from_both_sources(
     port = free_port()
     handle = coordinator(3, transport="tcp", extra_args=metrics_args(port))
     env = {**os.environ, "COLUMNS": "160", "TERM": "dumb"}
+    # The frontend registers before the engines, so that their INITs carry its outputs.
+    client = FrontendClient(handle.addresses, client_index=0, host="127.0.0.1",
+                            call_timeout_s=STEP)
+    await client.register()
     async with agents(handle, [0, 1, 2]):
-        client = FrontendClient(handle.addresses, client_index=0, host="127.0.0.1",
-                                call_timeout_s=STEP)
         try:
-            await client.register()
             for rank in (0, 2, 2):
                 await client.submit(f"top-{rank}-{time.monotonic_ns()}", [b"x"], dp_rank=rank)
 

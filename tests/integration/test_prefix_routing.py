@@ -68,14 +68,15 @@ class Rig:
         )
         for publisher in self.publishers:
             await publisher.wait_subscribed()
+        # The frontend registers first, so that the engines' INITs carry its outputs.
+        self.client = FrontendClient(self.handle.addresses, client_index=0,
+                                     ipc_dir=str(ipc), call_timeout_s=STEP)
+        await self.client.register()
         self.agents = [EngineAgent(self.handle.addresses["handshake"], rank,
                                    heartbeat_interval_s=0.2, handshake_timeout_s=STEP,
                                    ready_timeout_s=STEP, accept_timeout_s=STEP)
                        for rank in range(ENGINES)]
         await asyncio.wait_for(asyncio.gather(*(a.start() for a in self.agents)), STEP * 2)
-        self.client = FrontendClient(self.handle.addresses, client_index=0,
-                                     ipc_dir=str(ipc), call_timeout_s=STEP)
-        await self.client.register()
         await self.wait_counter("dispatch.greetings", lambda v: v >= ENGINES)
 
     async def counters(self) -> dict[str, int]:

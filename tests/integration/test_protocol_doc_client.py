@@ -168,7 +168,7 @@ def test_a_client_written_from_the_document(
 
     # `registered` comes at once, before any engine joined (INIT waits for us).
     begun = time.monotonic()
-    assert client.register() == ["registered", 1, 0, 0, 2, 0, False, True]
+    assert client.register() == ["registered", 1, 0, 0, 2, 0, False, True, []]
     assert time.monotonic() - begun < STEP
     state = client.call("state")[2]
     assert [engine[1] for engine in state["engines"]] == ["absent", "absent"]

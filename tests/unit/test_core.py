@@ -36,10 +36,11 @@ F0, F1 = frontend_identity(0), frontend_identity(1)
 
 
 def group(engines: int = 2, **config: object) -> Driver:
-    """A group whose gate opened, with frontend 0 registered."""
+    """A group whose gate opened, with frontend 0 registered first (so that every INIT
+    carries its output address)."""
     driver = Driver.start(engines=engines, **config)
-    driver.start_group(range(engines))
     driver.register(0)
+    driver.start_group(range(engines))
     return driver
 
 
@@ -288,12 +289,66 @@ def test_registered_reply_carries_the_group() -> None:
     assert reply == fp.Registered(reply.call_id, 0, 2, 3, 0, False, False)  # type: ignore[union-attr]
 
 
+# ---- outputs only where an INIT said so ----------------------------------------------------
+
+
+def test_a_frontend_that_no_init_carried_gets_no_requests_and_hears_why() -> None:
+    driver = Driver.start(engines=2)  # no --frontends: INITs go out with no frontend
+    driver.start_group([0, 1])
+    assert isinstance(driver.register(0), fp.Registered)
+    assert "registered after dp_ranks 0, 1 got their INITs" in driver.log_text()
+    reply = driver.submit("lost")
+    assert error_code(reply) == fp.ERR_UNDELIVERABLE
+    assert isinstance(reply, fp.ErrorReply) and "--frontends N" in reply.message
+    assert driver.adds(0) == [] and driver.adds(1) == [] and not driver.core.dispatch.requests
+    counters = driver.core.counter_values()
+    assert counters["submit.refused.undeliverable"] == 1 and counters["frontend.undeliverable"] == 1
+    assert "refused submits from frontend" in driver.log_text()
+
+
+def test_a_rank_whose_new_init_carries_the_frontend_serves_it_alone() -> None:
+    driver = Driver.start(engines=2, lockstep=False)
+    driver.start_group([0, 1])
+    driver.register(0)
+
+    def restart(rank: int) -> None:
+        """The rank's engine dies and a new one takes it: its INIT lists frontend 0."""
+        identity = rank_to_identity(rank)
+        driver.unreachable.add(("dispatch", identity))
+        driver.tick(driver.now + 3 * driver.core.config.lease_ttl_s)
+        assert driver.core.membership.lease(rank).state is RankState.DEAD  # type: ignore[union-attr]
+        driver.unreachable.discard(("dispatch", identity))
+        driver.hello(rank, f"e{rank}-restarted")
+        driver.ready(rank)
+        driver.greet(rank)
+
+    restart(1)
+    for i in range(4):
+        reply = driver.submit(f"r{i}")
+        assert isinstance(reply, fp.Submitted) and reply.rank == 1
+    assert error_code(driver.submit("x", rank=0)) == fp.ERR_UNDELIVERABLE
+    # Once rank 0's engine also got an INIT that names it, both serve it.
+    restart(0)
+    assert driver.core.frontends.registry.undeliverable_indices() == {}
+    assert isinstance(driver.submit("y", rank=0), fp.Submitted)
+
+
+def test_a_frontend_registered_before_the_inits_is_served_everywhere() -> None:
+    driver = group()
+    assert driver.core.frontends.registry.undeliverable_indices() == {}
+    ranks = {driver.submit(f"r{i}").rank for i in range(6)}  # type: ignore[union-attr]
+    assert ranks == {0, 1}
+    assert "frontend.undeliverable" not in driver.core.counter_values()
+
+
 # ---- dead ranks, drains, aborts ------------------------------------------------------------
 
 
 def test_a_dead_ranks_requests_fail_to_the_frontend_that_sent_each() -> None:
-    driver = group(engines=1)
+    driver = Driver.start(engines=1)
+    driver.register(0)
     driver.register(1)
+    driver.start_group([0])
     driver.submit("a", frontend=0)
     driver.submit("b", frontend=1)
     driver.submit("c", frontend=0)
@@ -368,9 +423,9 @@ def test_state_query_reply() -> None:
 
 def test_a_wake_decided_before_the_gate_opens_goes_out_right_after_ready() -> None:
     driver = Driver.start(engines=2)
+    driver.register(0)
     driver.join(0)
     driver.join(1)
-    driver.register(0)
     reply = driver.submit("early", wave=0)
     assert isinstance(reply, fp.Submitted) and reply.woke
     assert driver.back_publish() == []  # nothing but READY may come first

@@ -60,8 +60,8 @@ def test_an_oversize_handshake_is_refused_with_a_reply_the_engine_can_read() -> 
 
 def ready_group(engines: int = 2, **config: object) -> Driver:
     driver = Driver.start(engines=engines, **config)
-    driver.start_group(range(engines))
     driver.register(0)
+    driver.start_group(range(engines))
     return driver
 
 

@@ -32,13 +32,13 @@ def group(engines: int = 2, **config: object) -> Driver:
     settings: dict[str, object] = {"lease_ttl_s": TTL}
     settings.update(config)
     driver = Driver.start(engines=engines, **settings)
+    driver.register(0)  # first: every INIT carries its output address
     for rank in range(engines):
         driver.hello(rank, conn=100 + rank)
         driver.greet(rank, conn=200 + rank)
         driver.ready(rank, conn=100 + rank)
         driver.disconnected("handshake", 100 + rank)
     driver.subscribe(engines)
-    driver.register(0)
     return driver
 
 

@@ -62,8 +62,8 @@ def start(*, engines: int = 2, endpoint: str | None = "tcp://*:5557",
           block_size: int | None = BLOCK, **config: Any) -> Driver:
     kv = KVSettings(endpoint=endpoint, replay_endpoint=replay, block_size=block_size)
     driver = Driver.start(engines=engines, policy=policy, kv=kv, **config)
-    driver.start_group(range(engines))
     driver.register(0)
+    driver.start_group(range(engines))
     return driver
 
 

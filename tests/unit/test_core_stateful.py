@@ -41,7 +41,7 @@ from coordinator.core.ranks import liveness
 from coordinator.core.ranks.membership import RankState
 from coordinator.protocol import frontend as fp
 from coordinator.protocol import vllm
-from coordinator.protocol.identity import rank_to_identity
+from coordinator.protocol.identity import identity_to_rank, rank_to_identity
 from coordinator.protocol.kv_events import BlockStored, KVEventBatch
 from tests.unit.core_driver import Driver
 
@@ -54,6 +54,7 @@ INDICES = 4  # client indices tried: some beyond what is allowed
 SUBMIT_CODES = {
     fp.ERR_DUPLICATE_REQUEST, fp.ERR_TOO_MANY_IN_FLIGHT, fp.ERR_UNKNOWN_RANK,
     fp.ERR_RANK_NOT_READY, fp.ERR_NO_READY_ENGINE, fp.ERR_ENGINE_UNREACHABLE,
+    fp.ERR_UNDELIVERABLE,
 }
 
 
@@ -87,6 +88,8 @@ class Seen:
     max_wave: int = 0
     max_published_wave: int = 0
     epoch: int = 0
+    carried: dict[int, set[str]] = field(default_factory=dict)
+    """The output addresses each rank's last INIT carried (holes left out)."""
 
 
 class CoreGroup(RuleBasedStateMachine):
@@ -151,6 +154,9 @@ class CoreGroup(RuleBasedStateMachine):
                 if isinstance(reply, vllm.EngineHandshakeMetadata):
                     # INIT never goes out before the expected frontends registered.
                     assert len(self.core.frontends.registry) >= self.expected
+                    hole = reply.addresses.coordinator_output
+                    self.seen.carried[identity_to_rank(_identity)] = {
+                        address for address in reply.addresses.outputs if address != hole}
             elif socket == "frontend":
                 message = fp.decode_reply(frames[0])
                 if isinstance(message, fp.RequestsFailed):
@@ -359,9 +365,15 @@ class CoreGroup(RuleBasedStateMachine):
         if any(f.action.__class__.__name__ == "DispatchAdd"
                for f in self.driver.failed_sends[failed_before:]):
             event("submit: an ADD failed and was handled")
+        self.check_new_output()
+        output = self.core.frontends.registry.get(index).output_address  # type: ignore[union-attr]
+        # A rank whose INIT went out here delivers outputs only to the addresses it carried.
+        deliver = {rank for rank in dispatchable
+                   if rank not in self.seen.carried or output in self.seen.carried[rank]}
         if isinstance(answer, fp.Submitted):
             assert request_id not in self.requests or self.requests[request_id].ended
             assert answer.rank in dispatchable
+            assert answer.rank in deliver, (answer.rank, output, self.seen.carried)
             assert explicit is None or answer.rank == explicit
             adds = [p for p in self.driver.adds(answer.rank)
                     if p == [b"payload:" + request_id.encode()]]
@@ -370,6 +382,9 @@ class CoreGroup(RuleBasedStateMachine):
         else:
             assert answer.code in SUBMIT_CODES, answer
             assert self.core.dispatch.requests.per_rank() == ledger_before
+            if answer.code == fp.ERR_UNDELIVERABLE:
+                event("submit: undeliverable")
+                assert not (deliver if explicit is None else deliver & {explicit}), answer
 
     @rule(data=st.data(), abort=st.booleans())
     def frontend_ends_a_request(self, data: st.DataObject, abort: bool) -> None:
@@ -560,9 +575,9 @@ def test_a_wake_held_at_the_gate_is_retried_a_full_rewake_after_it_left() -> Non
     decided (see ``WaveState.on_wake_released``)."""
     driver = Driver.start(engines=2, frontends=0, lease_ttl_s=TTL, rewake_after_s=REWAKE,
                           watchdog_stall_s=0.0)
+    driver.register(0)  # before the INITs, so that they carry its outputs
     for rank in range(2):
         driver.join(rank, f"e{rank}.0")
-    driver.register(0)
     reply = driver.submit("r0")
     assert isinstance(reply, fp.Submitted) and reply.woke
     assert driver.back_publish() == []  # held: READY must come first

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
-from logging import INFO
+from logging import INFO, WARNING
 
 import msgspec
 
@@ -33,6 +33,7 @@ from coordinator.core.dispatch.ledger import (
     RequestLedger,
     dispatch_refusal,
     explicit_rank_refusal,
+    undeliverable_refusal,
 )
 from coordinator.core.dispatch.prefix_policy import RoutePrompt
 from coordinator.core.observe.journal import Journal
@@ -65,8 +66,10 @@ class DispatchHandlers:
 
     def __init__(self, config: CoreConfig, journal: Journal, span: RankSpan,
                  membership: Membership, choice: RankChoice, waves: WaveHandlers,
-                 frontend_identities: Callable[[], Sequence[bytes]]) -> None:
+                 frontend_identities: Callable[[], Sequence[bytes]],
+                 blind_ranks: Callable[[bytes], set[int]]) -> None:
         self._journal = journal
+        self._blind_ranks = blind_ranks
         self._span = span
         self._membership = membership
         self._waves = waves
@@ -94,6 +97,7 @@ class DispatchHandlers:
         prompt = choice.read_prompt(msg.prompt, payload) if (
             msg.prompt is not None or choice.router is not None) else None
         cost = 0.0
+        blind = self._blind_ranks(identity)
         if rank is not None:
             in_range = membership.check_rank(rank) is None
             if not (in_range and rank in membership.dispatchable()):
@@ -103,10 +107,20 @@ class DispatchHandlers:
                     rank_start=self._span.start, rank_count=len(self._span),
                 ), out)
                 return
+            if rank in blind:
+                self._refuse_undeliverable(identity, msg, [rank], out)
+                return
             if choice.router is not None:
                 cost = choice.router.commit_explicit(rank, prompt)
         else:
-            chosen = choice.choose(membership.dispatchable(), prompt)
+            candidates = membership.dispatchable()
+            if blind:
+                reachable = [r for r in candidates if r not in blind]
+                if candidates and not reachable:
+                    self._refuse_undeliverable(identity, msg, candidates, out)
+                    return
+                candidates = reachable
+            chosen = choice.choose(candidates, prompt)
             if chosen is None:
                 self._refuse(identity, msg.call_id, msg.request_id, NO_READY_ENGINE, out)
                 return
@@ -147,7 +161,9 @@ class DispatchHandlers:
         else:
             # Leases past their TTL are buried by the lease timer; one not yet buried
             # fails its send here and the next best is tried.
-            candidates = [r for r in self._membership.dispatchable() if r not in tried]
+            blind = self._blind_ranks(retry.frontend)
+            candidates = [r for r in self._membership.dispatchable()
+                          if r not in tried and r not in blind]
             choice = self.choice.choose(candidates, retry.prompt)
         if choice is None:
             # The wave machine counts this wake as sent, so it is sent: at worst the group
@@ -159,6 +175,13 @@ class DispatchHandlers:
             return
         again = msgspec.structs.replace(retry, tried=tried, explicit=False, cost=choice[1])
         self._dispatch(again, add.payload, choice[0], now, out, wake=add.wake)
+
+    def _refuse_undeliverable(self, identity: bytes, msg: fp.Submit, blind: list[int],
+                              out: Outbox) -> None:
+        refusal = undeliverable_refusal(sorted(blind))
+        out.log(WARNING, "refused submits from frontend %s: %s", identity.hex(),
+                refusal.message, key=f"undeliverable:{identity.hex()}")
+        self._refuse(identity, msg.call_id, msg.request_id, refusal, out)
 
     def _refuse(self, identity: bytes, call_id: int, request_id: str, refusal: Refusal,
                 out: Outbox) -> None:

@@ -20,11 +20,15 @@ step  refused when                                     code
 4     an explicit ``dp_rank`` is outside the range     ``unknown_rank``
 5     an explicit ``dp_rank`` is not dispatchable      ``rank_not_ready``
 6     no rank is dispatchable (no explicit rank)       ``no_ready_engine``
-7     the ADD could not be handed to any candidate     ``engine_unreachable``
+7     no dispatchable rank can deliver the frontend's  ``undeliverable``
+      outputs (its INIT did not carry the frontend)
+8     the ADD could not be handed to any candidate     ``engine_unreachable``
 ====  ===============================================  ======================
 
 Steps 1 to 3 are ``RequestLedger.refusal``; 4 and 5 ``explicit_rank_refusal``;
-6 and 7 follow from the balancer and from the send (``dispatch_refusal``):
+7 ``undeliverable_refusal`` (see ``frontends.registry``: a rank only delivers
+outputs to the frontends its INIT named, so a request sent anywhere else would
+be lost without a word); 6 and 8 follow from the balancer and from the send (``dispatch_refusal``):
 when the ADD to the chosen rank cannot be sent (its connection is gone, e.g.
 an engine restarting), the next best rank is tried, until one takes it or all
 were tried. An explicit ``dp_rank`` is never moved to another rank.
@@ -49,6 +53,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from coordinator.core.frontends.registry import inits_went_to
 from coordinator.protocol import frontend as fp
 
 
@@ -83,8 +88,18 @@ def explicit_rank_refusal(
     return Refusal(fp.ERR_RANK_NOT_READY, f"dp_rank={rank} cannot take requests ({state})")
 
 
+def undeliverable_refusal(blind: list[int]) -> Refusal:
+    """Step 7: every rank that could take the request has no output address for the
+    frontend (``blind``, sorted): its INIT went out before the frontend registered."""
+    return Refusal(fp.ERR_UNDELIVERABLE, (
+        f"no engine can deliver outputs to this frontend: it registered after "
+        f"{inits_went_to(blind)}, which did not carry its output address, so their outputs "
+        f"would be lost. Start the coordinator with --frontends N (INITs then wait for "
+        f"every frontend), or restart those engines (a new INIT carries this frontend)"))
+
+
 def dispatch_refusal(tried: tuple[int, ...], *, explicit: bool) -> Refusal:
-    """Step 7: no candidate took the ADD (``tried`` in the order they were tried)."""
+    """Step 8: no candidate took the ADD (``tried`` in the order they were tried)."""
     if explicit:
         return Refusal(fp.ERR_ENGINE_UNREACHABLE,
                        f"dp_rank={tried[0]} is not connected on dispatch")

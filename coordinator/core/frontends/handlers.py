@@ -16,7 +16,12 @@ from logging import INFO, WARNING
 from coordinator.core.actions import SendPurpose
 from coordinator.core.config import CoreConfig
 from coordinator.core.dispatch.ledger import RequestLedger
-from coordinator.core.frontends.registry import FrontendRegistry, InitStep, RegisterVerdict
+from coordinator.core.frontends.registry import (
+    FrontendRegistry,
+    InitStep,
+    RegisterVerdict,
+    inits_went_to,
+)
 from coordinator.core.observe.journal import Journal
 from coordinator.core.outbox import Outbox
 from coordinator.core.ranks.span import RankSpan
@@ -76,6 +81,7 @@ class FrontendHandlers:
         # Nothing changed in between: the outcome is reported right after the send.
         if registry.pin_outputs():
             out.state_changed()
+        registry.note_init(rank)
         if not registry.inits_sent:
             registry.inits_sent = True
             out.state_changed()
@@ -101,10 +107,19 @@ class FrontendHandlers:
         else:
             out.log(INFO, "frontend client_index=%d registered (outputs at %s)",
                     msg.client_index, msg.output_address, key=f"register:{msg.client_index}")
+        blind = self.registry.undeliverable_indices().get(msg.client_index)
+        if blind:
+            self._journal.counters["frontend.undeliverable"] += 1
+            out.log(WARNING, "frontend client_index=%d registered after %s, which did not "
+                    "carry its output address: those engines cannot deliver its outputs, so "
+                    "its requests go only to other ranks (refused when there are none). "
+                    "Start the coordinator with --frontends N, or restart those engines",
+                    msg.client_index, inits_went_to(blind),
+                    key=f"undeliverable-register:{msg.client_index}")
         wave, running = self._waves.snapshot()
         out.reply(identity, fp.Registered(
             msg.call_id, msg.client_index, self._span.start, len(self._span), wave, running,
-            self._config.lockstep))
+            self._config.lockstep, list(blind or ())))
         for _rank, engine in self.registry.release_inits():
             self._send_init(engine, out)
 

@@ -42,6 +42,16 @@ In an INIT, an index with neither a registration nor a pin is given the
 coordinator's own ``back_output`` address, so that a stray output for it is
 dropped and counted there instead of reaching another frontend.
 
+**Outputs go only where an INIT said so.** An engine learns output addresses
+from its INIT alone, so a frontend that registers under an index some INIT did
+not carry (no ``--frontends``, and it came after the engines) cannot get
+outputs from the engines that INIT went to: they have no socket for that index,
+and a request sent there would be lost without a word. The registry remembers
+which indices each rank's INIT carried (``note_init``) and, for an index
+registered later, which ranks cannot deliver to it (``blind_ranks``): the
+dispatch domain sends that frontend's requests only elsewhere, and refuses
+them when no rank can deliver. A rank's next INIT (a restarted engine) lifts it.
+
 ``register_verdict`` decides a registration; the first matching row wins
 (``limit`` is K when K > 0, else ``max_frontends``):
 
@@ -162,6 +172,10 @@ class FrontendRegistry:
         self._pinned: dict[int, str] = {}
         self._held_inits: dict[int, bytes] = {}
         self._last_check: float | None = None
+        # Which indices each rank's INIT carried, and for indices registered since, the
+        # ranks whose INIT did not (they cannot deliver that index's outputs).
+        self._carried: dict[int, frozenset[int]] = {}
+        self._blind: dict[int, set[int]] = {}
 
     def __len__(self) -> int:
         return len(self._peers)
@@ -208,7 +222,33 @@ class FrontendRegistry:
         if previous is not None:
             self._unlink(previous)
         self._add(FrontendPeer(identity, client_index, output_address, input_address), now)
+        blind = {rank for rank, carried in self._carried.items() if client_index not in carried}
+        if blind:
+            self._blind[client_index] = blind
         return Registration(verdict, previous)
+
+    def blind_ranks(self, identity: bytes) -> set[int]:
+        """The ranks that cannot deliver outputs to an index ``identity`` holds (empty in
+        the common case, at the cost of one check)."""
+        if not self._blind:
+            return set()
+        blind: set[int] = set()
+        for index in self._by_identity.get(identity, ()):
+            blind |= self._blind.get(index, set())
+        return blind
+
+    def undeliverable_indices(self) -> dict[int, list[int]]:
+        """Registered indices some rank cannot deliver to, with those ranks."""
+        return {index: sorted(ranks) for index, ranks in sorted(self._blind.items())}
+
+    def note_init(self, rank: int) -> None:
+        """``rank``'s INIT was handed over with every registered or pinned address."""
+        carried = frozenset(self._peers) | frozenset(self._pinned)
+        self._carried[rank] = carried
+        for index in [index for index in self._blind if index in carried]:
+            self._blind[index].discard(rank)
+            if not self._blind[index]:
+                del self._blind[index]
 
     def touch(self, identity: bytes, now: float) -> None:
         """Traffic from ``identity`` renews every registration it holds (the hot path)."""
@@ -257,6 +297,7 @@ class FrontendRegistry:
         self._by_identity.setdefault(peer.identity, []).append(peer.client_index)
 
     def _unlink(self, peer: FrontendPeer) -> None:
+        self._blind.pop(peer.client_index, None)
         del self._peers[peer.client_index]
         del self._seen[peer.client_index]
         indices = self._by_identity[peer.identity]
@@ -341,3 +382,10 @@ class FrontendRegistry:
                                    saved.output_address, saved.input_address), now)
         self.inits_sent = inits_sent
         self._pinned.update(pinned or {})
+
+
+def inits_went_to(ranks: list[int]) -> str:
+    """'dp_rank 3 got its INIT' or 'dp_ranks 0, 1 got their INITs'."""
+    if len(ranks) == 1:
+        return f"dp_rank {ranks[0]} got its INIT"
+    return f"dp_ranks {', '.join(map(str, ranks))} got their INITs"
