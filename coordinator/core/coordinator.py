@@ -399,11 +399,15 @@ class CoordinatorCore:
         if change.new not in (RankState.DEAD, None):
             return
         self.journal.counters["lease.dead"] += 1
-        self.kv.forget_rank(change.rank, "rank_gone")
         lease = self.membership.lease(change.rank)
         # It may come back (ranks.liveness): the group keeps its wave and running state,
         # which its engines still share, and what fails here is aborted on the engine then.
+        # Its KV index is kept too: the same engine comes back with the same cache, its
+        # publisher is still followed, and a dead rank is never routed to meanwhile. Only
+        # an engine gone for good (or replaced, below) takes its index with it.
         returns = lease is not None and lease.died_from is not None
+        if not returns:
+            self.kv.forget_rank(change.rank, "rank_gone")
         self.dispatch.fail_rank(change.rank, change.cause, out,
                                 may_return_as=lease.incarnation if returns and lease else None)
         if not returns:

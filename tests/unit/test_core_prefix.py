@@ -21,6 +21,7 @@ from coordinator.core.events import (
     KVSubscribeFailed,
 )
 from coordinator.core.kv.plane import KVSettings
+from coordinator.core.ranks.membership import RankState
 from coordinator.protocol import frontend as fp
 from coordinator.protocol import vllm
 from coordinator.protocol.errors import ProtocolError
@@ -385,19 +386,28 @@ def test_removed_blocks_stop_matching() -> None:
     assert cached(driver, 1) == 0
 
 
-def test_a_dead_rank_loses_its_index_and_comes_back_from_scratch() -> None:
+def test_a_dead_rank_that_may_come_back_keeps_its_index_and_is_not_routed_to() -> None:
     driver = start()
     publish(driver, 1, 0, stored(PROMPT))
-    publish(driver, 1, 1, stored([9, 9, 9, 9], first_hash=90))
+    held = cached(driver, 1)
+    assert held > 0
     for rank in (0, 1):  # their connections are gone: the probes fail
         driver.unreachable.add(("dispatch", rank.to_bytes(2, "little")))
     driver.tick(5.0)
-    assert cached(driver, 1) == 0
-    counters = driver.core.counter_values()
-    assert counters["kv.resets.rank_gone"] == 2
-    # Its stream starts again: the next batch is taken as a first one.
-    publish(driver, 1, 0, stored(PROMPT))
-    assert cached(driver, 1) == 4
+    assert driver.core.membership.state(1) is RankState.DEAD
+    assert cached(driver, 1) == held
+    assert "kv.resets.rank_gone" not in driver.core.counter_values()
+    # Its publisher still runs and is still followed, in order.
+    publish(driver, 1, 1, stored([9, 9, 9, 9], first_hash=90))
+    assert cached(driver, 1) == held + 1
+    reply = submit(driver, "while-dead", PROMPT)
+    assert isinstance(reply, fp.ErrorReply) and reply.code == fp.ERR_NO_READY_ENGINE
+    # The partition heals: the same engine, the same cache, the prefix routed to it.
+    driver.unreachable.clear()
+    driver.tick(20.0)
+    assert driver.core.membership.state(1) is RankState.READY
+    reply = submit(driver, "after", PROMPT)
+    assert isinstance(reply, fp.Submitted) and reply.rank == 1
 
 
 def test_a_replaced_engine_loses_its_index() -> None:

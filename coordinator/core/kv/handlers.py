@@ -127,7 +127,8 @@ class KVHandlers:
                     self._follow(rank, subscription, out)
 
     def forget_rank(self, rank: int, cause: str) -> None:
-        """The rank's engine is gone or replaced: nothing it cached is there any more."""
+        """The rank's engine is gone for good or replaced: nothing it cached is there any
+        more. (A death the rank may come back from keeps its index: see the fan-out.)"""
         plane = self.plane
         if plane is not None and rank in plane.streams:
             plane.reset_rank(rank, cause)
