@@ -85,6 +85,7 @@ from coordinator.frontend_support import (
     heartbeat_frames,
     lost_requests,
     raise_if_refused,
+    undeliverable_warning,
 )
 from coordinator.protocol import frontend as fp
 from coordinator.protocol import vllm
@@ -341,12 +342,7 @@ class FrontendClient:
         registered = _expect(reply, fp.Registered, "register")
         self.registered = registered
         if registered.undeliverable_ranks:
-            log.warning("client_index=%d registered after the INITs of dp_rank %s went out "
-                        "without its output address: those engines cannot deliver its "
-                        "outputs, so the coordinator sends its requests elsewhere (and "
-                        "refuses them, undeliverable, when no other rank can). Start the "
-                        "coordinator with --frontends N, or restart those engines",
-                        self.client_index, ", ".join(map(str, registered.undeliverable_ranks)))
+            log.warning("%s", undeliverable_warning(registered))
         if self.stats["publishes"] == 0:
             self._wave, self._running = registered.wave, registered.running
         return registered

@@ -176,3 +176,12 @@ def lost_requests(in_flight: dict[str, int], lost: fp.RankLost) -> fp.RequestsFa
     for request_id in ids:
         del in_flight[request_id]
     return fp.RequestsFailed(ids, lost.rank, lost.reason) if ids else None
+
+
+def undeliverable_warning(registered: fp.Registered) -> str:
+    """What to tell the user when some ranks cannot deliver this frontend's outputs."""
+    return (f"client_index={registered.client_index} registered after the INITs of dp_rank "
+            f"{', '.join(map(str, registered.undeliverable_ranks))} went out without its "
+            f"output address: those engines cannot deliver its outputs, so the coordinator "
+            f"sends its requests elsewhere (and refuses them, undeliverable, when no other "
+            f"rank can). Start the coordinator with --frontends N, or restart those engines")

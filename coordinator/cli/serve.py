@@ -7,7 +7,11 @@ from collections.abc import Sequence
 
 from coordinator._zmq import LOOP_CHOICES
 from coordinator.core.ranks.versions import SUPPORTED_RANGE
+from coordinator.server.config import ServerConfig
 from coordinator.server.http import add_observability_arguments
+
+DEFAULTS = ServerConfig(engines=1)
+"""Every default below is read from here (the rules' from ``CoreConfig``), never repeated."""
 
 SERVE_EPILOG = """\
 sockets (keys of the address file):
@@ -37,9 +41,9 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     p.add_argument("--engines", type=int, required=True, metavar="N",
                    help="number of DP ranks (engines) in the group")
-    p.add_argument("--rank-start", type=int, default=0, metavar="S",
+    p.add_argument("--rank-start", type=int, default=DEFAULTS.rank_start, metavar="S",
                    help="first global DP rank managed; ranks are S..S+N-1 (default 0)")
-    p.add_argument("--frontends", type=int, default=0, metavar="K",
+    p.add_argument("--frontends", type=int, default=DEFAULTS.frontends, metavar="K",
                    help="hold INIT replies until K frontends registered, so every engine "
                    "learns all frontend output addresses (default 0: do not wait)")
     p.add_argument("--host", default=None, metavar="H",
@@ -65,38 +69,42 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
                    "bound (atomically); removed on exit")
     p.add_argument("--no-wave-coordination", action="store_true",
                    help="dense mode: stats and balancing only, no waves (non-MoE models)")
-    p.add_argument("--publish-interval-ms", type=float, default=100.0, metavar="MS",
+    p.add_argument("--publish-interval-ms", type=float,
+                   default=DEFAULTS.publish_interval_s * 1000.0, metavar="MS",
                    help="minimum gap between full state publishes while stats change "
                    "(default 100)")
-    p.add_argument("--heartbeat-s", type=float, default=5.0, metavar="S",
+    p.add_argument("--heartbeat-s", type=float, default=DEFAULTS.heartbeat_s, metavar="S",
                    help="full state publish at least this often when idle (default 5)")
-    p.add_argument("--lease-ttl-s", type=float, default=10.0, metavar="S",
+    p.add_argument("--lease-ttl-s", type=float, default=DEFAULTS.lease_ttl_s, metavar="S",
                    help="an engine from which nothing arrived for this long (traffic, or "
                    "heartbeat answers on tcp) is declared dead; probes, pings and silence "
                    "bounds scale with it (docs/OPERATIONS.md; default 10)")
-    p.add_argument("--handshake-timeout-s", type=float, default=1800.0, metavar="S",
+    p.add_argument("--handshake-timeout-s", type=float,
+                   default=DEFAULTS.handshake_timeout_s, metavar="S",
                    help="how long an engine may take between HELLO and READY; vLLM loads "
                    "its model there, silently (default 1800)")
-    p.add_argument("--policy", default="least-loaded", choices=["least-loaded", "p2c", "prefix"],
+    p.add_argument("--policy", default=DEFAULTS.policy, choices=["least-loaded", "p2c", "prefix"],
                    help="how submitted requests pick a rank (default least-loaded): "
                    "least-loaded scans every rank's load; p2c compares two at random; prefix "
                    "weighs each rank's load in tokens against the prompt tokens it has "
                    "cached, from the engines' KV cache events (see --kv-events-endpoint)")
     add_prefix_arguments(p)
-    p.add_argument("--frontend-lease-ttl-s", type=float, default=30.0, metavar="S",
+    p.add_argument("--frontend-lease-ttl-s", type=float,
+                   default=DEFAULTS.frontend_lease_ttl_s, metavar="S",
                    help="a frontend registration with no message or heartbeat for this long "
                    "expires, freeing its slot (the SDK heartbeats every S/3) (default 30)")
-    p.add_argument("--min-engines", type=int, default=0, metavar="N",
+    p.add_argument("--min-engines", type=int, default=DEFAULTS.min_engines, metavar="N",
                    help="fewest ranks a SCALE_ELASTIC_EP may leave (default: --engines, so "
                    "the group size is fixed); smaller requests are refused and counted")
-    p.add_argument("--max-engines", type=int, default=0, metavar="N",
+    p.add_argument("--max-engines", type=int, default=DEFAULTS.max_engines, metavar="N",
                    help="most ranks a SCALE_ELASTIC_EP may ask for (default: --engines); for "
                    "elastic EP give vLLM's --elastic-ep-max-dp-size")
-    p.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024, metavar="B",
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULTS.max_request_bytes, metavar="B",
                    help="bound on one message on the frontend socket, all frames together "
                    "(a submit with its payload); larger ones are refused with too_large "
                    "(default 16 MiB)")
-    p.add_argument("--max-engine-message-bytes", type=int, default=1024 * 1024, metavar="B",
+    p.add_argument("--max-engine-message-bytes", type=int,
+                   default=DEFAULTS.max_engine_message_bytes, metavar="B",
                    help="bound on one message from an engine (handshake, dispatch, "
                    "back_output), all frames together; larger ones are dropped and counted "
                    "(default 1 MiB)")
@@ -109,12 +117,13 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
                    "too, since 0 is sent otherwise)")
     p.add_argument("--coord-store-port", type=int, default=None,
                    help="_coord_store_port sent in INIT (elastic EP; default: not sent)")
-    p.add_argument("--vllm-compat", default="0.33", choices=["0.33", "legacy"],
+    p.add_argument("--vllm-compat", default=DEFAULTS.vllm_compat, choices=["0.33", "legacy"],
                    help="count rows: 0.33 (default) publishes [waiting, running, "
                    "kv_cache_usage], which every vLLM from 0.29 to 0.33 unpacks; legacy "
                    "publishes 2-element rows for frontends from before kv_cache_usage, and "
                    "honours their wake (as the default does)")
-    p.add_argument("--frontend-wake", default="honour", choices=["honour", "ignore"],
+    p.add_argument("--frontend-wake", default="honour" if DEFAULTS.frontend_wake else "ignore",
+                   choices=["honour", "ignore"],
                    help="the pre-0.33 first-request wake [engine, wave] on front_publish: "
                    "honour (default; vLLM 0.29-0.32 MoE groups hang without it) or ignore "
                    "(drop and count it, as vLLM 0.33's coordinator does)")
@@ -122,7 +131,7 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
                    help="cordon engines whose greeting names a vLLM outside the supported "
                    f"range ({SUPPORTED_RANGE}): they stay in the wave but get no requests "
                    "(uncordon overrides); by default they are used and logged once")
-    p.add_argument("--loop", default="auto", choices=list(LOOP_CHOICES),
+    p.add_argument("--loop", default=DEFAULTS.loop, choices=list(LOOP_CHOICES),
                    help="event loop (default auto: uvloop when installed)")
     p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"], help="default info")
@@ -148,7 +157,8 @@ def add_prefix_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-block-size", type=int, default=None, metavar="N",
                        help="tokens per KV cache block (default: from the engines' greetings, "
                        "else from their first stored block)")
-    group.add_argument("--prefix-slack-tokens", type=float, default=256.0, metavar="T",
+    group.add_argument("--prefix-slack-tokens", type=float,
+                       default=DEFAULTS.prefix_slack_tokens, metavar="T",
                        help="--policy prefix: the extra load, in tokens, accepted to keep a "
                        "request on the rank with its longest cached prefix or its "
                        "conversation (0: the lowest cost wins; default 256)")

@@ -6,6 +6,7 @@ import ipaddress
 import socket
 from dataclasses import dataclass, field
 
+from coordinator.core.config import CoreConfig
 from coordinator.core.dispatch.prefix_policy import PREFIX_POLICY
 from coordinator.core.kv.plane import KVSettings
 from coordinator.protocol.addresses import SOCKET_KEYS, bind_host, check_bind_safety
@@ -18,6 +19,11 @@ from coordinator.server.transport import (
     KV_EVENTS_MAX_MESSAGE_BYTES,
 )
 
+CORE_DEFAULTS = CoreConfig(rank_start=0, engines=1)
+"""The rules' defaults, written once in ``CoreConfig``: the settings below that are rules
+refer to them, and the CLI reads its defaults from ``ServerConfig``."""
+_D = CORE_DEFAULTS
+
 
 @dataclass
 class ServerConfig:
@@ -25,7 +31,7 @@ class ServerConfig:
     """Number of DP ranks this coordinator manages."""
     rank_start: int = 0
     """First global DP rank managed; ranks are [rank_start, rank_start + engines)."""
-    frontends: int = 0
+    frontends: int = _D.frontends
     """INIT replies wait until this many frontends registered (0: do not wait)."""
     host: str | None = None
     """Bind tcp://host:0 for every socket; None binds ipc in a private directory."""
@@ -39,21 +45,21 @@ class ServerConfig:
     state_file: str | None = None
     """Where to keep what a restarted coordinator cannot learn again from its peers."""
     addr_file: str | None = None
-    lockstep: bool = True
+    lockstep: bool = _D.lockstep
     """Wave coordination (MoE). False is dense mode: stats and balancing only."""
-    publish_interval_s: float = 0.1
-    heartbeat_s: float = 5.0
-    first_publish_delay_s: float = 0.05
-    lease_ttl_s: float = 10.0
-    handshake_timeout_s: float = 1800.0
+    publish_interval_s: float = _D.publish_interval_s
+    heartbeat_s: float = _D.heartbeat_s
+    first_publish_delay_s: float = _D.first_publish_delay_s
+    lease_ttl_s: float = _D.lease_ttl_s
+    handshake_timeout_s: float = _D.handshake_ttl_s
     """How long a rank may sit between HELLO and READY (vLLM loads its model there)."""
-    policy: str = "least-loaded"
+    policy: str = _D.policy
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     """Bound on one message on ``frontend``, all frames together (a submit's payload)."""
     max_engine_message_bytes: int = DEFAULT_MAX_ENGINE_MESSAGE_BYTES
     """Bound on one message on ``handshake``, ``dispatch`` and ``back_output``."""
-    max_in_flight: int = 1_000_000
-    max_frontends: int = 1024
+    max_in_flight: int = _D.max_in_flight
+    max_frontends: int = _D.max_frontends
     master_ip: str | None = None
     """data_parallel_master_ip sent in INIT (default: the advertised host)."""
     master_port: int | None = None
@@ -64,10 +70,10 @@ class ServerConfig:
     """The count rows' width: "0.33" publishes 3-wide rows (what every vLLM from 0.29
     to 0.33 unpacks); "legacy" 2-wide rows for frontends from before
     ``kv_cache_usage``, with the pre-0.33 wake honoured (unless ``frontend_wake``)."""
-    frontend_wake: bool = True
+    frontend_wake: bool = _D.frontend_wake
     """Honour the pre-0.33 frontend wake `[engine, wave]` on front_publish (vLLM 0.29 to
     0.32 MoE groups need it); False drops it, as vLLM 0.33's coordinator does."""
-    require_supported_vllm: bool = False
+    require_supported_vllm: bool = _D.require_supported_vllm
     """Refuse ranks whose vLLM is outside the supported range (default: log once)."""
     loop: str = "auto"
     """Event loop: "auto" (uvloop when installed), "uvloop" or "asyncio"."""
@@ -76,22 +82,22 @@ class ServerConfig:
     metrics_port: int | None = None
     """Serve /metrics, /healthz, /readyz, /state, /debug/waves here (None: off)."""
     metrics_host: str = "127.0.0.1"
-    watchdog_stall_s: float = 30.0
+    watchdog_stall_s: float = _D.watchdog_stall_s
     """Hang watchdog threshold; 0 disables it."""
-    watchdog_rewake: bool = True
+    watchdog_rewake: bool = _D.watchdog_rewake
     """Re-broadcast the wave start when the watchdog sees no progress. Harmless when the
     alarm is false (running engines ignore it), so on by default."""
-    recorder_size: int = 1000
+    recorder_size: int = _D.recorder_size
     curve_secret_key: str | None = None
     curve_clients_dir: str | None = None
     admin_keys_dir: str | None = None
     """Public keys (*.key) of operators, whose CURVE connections to ``frontend`` may run
     admin commands (they are allowed to connect like the client keys)."""
-    frontend_lease_ttl_s: float = 30.0
+    frontend_lease_ttl_s: float = _D.frontend_lease_ttl_s
     """A frontend registration not renewed by traffic or heartbeats for this long expires."""
-    min_engines: int = 0
+    min_engines: int = _D.min_engines
     """Fewest ranks SCALE_ELASTIC_EP may leave (0: --engines, a fixed size)."""
-    max_engines: int = 0
+    max_engines: int = _D.max_engines
     """Most ranks SCALE_ELASTIC_EP may ask for (0: --engines, a fixed size)."""
     insecure: bool = False
     """Allow a non-loopback TCP bind without CURVE keys."""
@@ -101,7 +107,7 @@ class ServerConfig:
     """vLLM's kv_events_config replay_endpoint."""
     kv_block_size: int | None = None
     """Tokens per KV cache block (default: what the engines say)."""
-    prefix_slack_tokens: float = 256.0
+    prefix_slack_tokens: float = _D.prefix_slack_tokens
     """The prefix policy's load/cache trade-off, in tokens of extra load."""
 
     def kv_settings(self) -> KVSettings | None:

@@ -36,6 +36,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
+from coordinator.core.config import CoreConfig
 from coordinator.core.observe.views import RankView
 from coordinator.server.metrics import WAKE_LATENCY_BUCKETS, Published, SnapshotCollector
 from coordinator.server.observe import ObservedState
@@ -329,6 +330,9 @@ def _json(
     return [] if head else [data]
 
 
+CORE_DEFAULTS = CoreConfig(rank_start=0, engines=1)
+
+
 def add_observability_arguments(parser: argparse.ArgumentParser) -> None:
     """The `serve` flags for metrics, the watchdog and the flight recorder."""
     group = parser.add_argument_group("observability")
@@ -338,7 +342,8 @@ def add_observability_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--metrics-host", default=DEFAULT_METRICS_HOST, metavar="H",
                        help=f"address for the HTTP endpoints (default {DEFAULT_METRICS_HOST}); "
                        "they are read-only but reveal the group's state")
-    group.add_argument("--watchdog-stall-s", type=float, default=30.0, metavar="S",
+    group.add_argument("--watchdog-stall-s", type=float,
+                       default=CORE_DEFAULTS.watchdog_stall_s, metavar="S",
                        help="alert when the group is believed running but no rank stepped "
                        "for S seconds, or ranks report different waves for S seconds; "
                        "0 disables (default 30)")
@@ -346,6 +351,7 @@ def add_observability_arguments(parser: argparse.ArgumentParser) -> None:
                        help="when the watchdog fires, only report it; by default it also "
                        "broadcasts START_DP_WAVE [wave, nil] again, which running engines "
                        "ignore, so a false alarm costs nothing")
-    group.add_argument("--recorder-size", type=int, default=1000, metavar="N",
+    group.add_argument("--recorder-size", type=int, default=CORE_DEFAULTS.recorder_size,
+                       metavar="N",
                        help="wave and membership transitions kept for /debug/waves, SIGUSR1 "
                        "and watchdog alerts (default 1000)")

@@ -43,3 +43,26 @@ def test_a_frontend_registered_after_the_inits_is_refused_with_the_remedy(
         engine.close()
     early.close()
     late.close()
+
+
+async def test_the_sdk_warns_at_registration_and_raises_the_refusal(
+    coordinator: CoordinatorFactory, zmq_ctx: Any, caplog: Any
+) -> None:
+    import logging
+
+    import pytest
+
+    from coordinator.frontend import FrontendClient, SubmitError
+
+    handle = coordinator(2)
+    engines = handshake_group(zmq_ctx, handle.addresses, [0, 1], dp_size=2)
+    async with FrontendClient(handle.addresses, client_index=0, call_timeout_s=10.0) as client:
+        with caplog.at_level(logging.WARNING, logger="coordinator.frontend"):
+            registered = await client.register()
+        assert registered.undeliverable_ranks == [0, 1]
+        assert "dp_rank 0, 1 went out without its output address" in caplog.text
+        with pytest.raises(SubmitError) as refused:
+            await client.submit("late", [b"payload"])
+        assert refused.value.code == "undeliverable"
+    for engine in engines:
+        engine.close()
