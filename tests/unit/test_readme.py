@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import re
+import subprocess
 from pathlib import Path
+
+import pytest
 
 from coordinator.cli import build_parser
 
@@ -125,3 +128,23 @@ def test_every_markdown_file_the_docs_name_exists() -> None:
             if not found:
                 missing.append(f"{doc.name}: {name}")
     assert missing == []
+
+
+def test_no_tracked_file_keeps_merge_conflict_markers() -> None:
+    marker = re.compile(r"^(<{7} |>{7} |={7}$)", re.M)
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True,
+                             check=True, timeout=60).stdout.split()
+    if not tracked:
+        pytest.skip("not a git checkout")
+    found = []
+    for name in tracked:
+        path = REPO / name
+        if path.suffix not in {".py", ".md", ".toml", ".yml", ".yaml", ".json", ".cfg", ""}:
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        if marker.search(text):
+            found.append(name)
+    assert found == []
