@@ -14,7 +14,8 @@ Endpoints:
                  our own (never the process-global one)
   /healthz       200 while the loop published a snapshot within `stale_after_s`,
                  else 503 with a JSON reason
-  /readyz        200 when healthy and every rank of the group is ready
+  /readyz        200 when healthy and the group serves: the start-up gate is open and
+                 at least one rank takes requests (core.ranks.readiness)
   /state         JSON: membership, loads, wave, counters, watchdog
   /debug/waves   JSON: the flight recorder tail (`?n=` limits it)
 """
@@ -212,15 +213,13 @@ class HttpEndpoints:
         snap = self.snapshot
         if not healthy or snap is None:
             return "503 Service Unavailable", body
-        not_ready = {str(v.rank): v.state for v in snap.ranks if v.state != "ready"}
-        if snap.all_ready:
-            return "200 OK", {"status": "ready", "ranks": len(snap.ranks)}
-        return "503 Service Unavailable", {
-            "status": "not_ready",
-            "reason": f"{len(not_ready)} of {len(snap.ranks)} ranks are not ready"
-            if not_ready else "the group is not ready",
-            "ranks_not_ready": not_ready,
-        }
+        verdict = snap.readiness  # the core's rule: core.ranks.readiness
+        out = {str(rank): state for rank, state in verdict.out.items()}
+        if verdict.serves:
+            return "200 OK", {"status": "ready", "ranks": len(snap.ranks),
+                              "reason": verdict.reason, "ranks_out": out}
+        return "503 Service Unavailable", {"status": "not_ready", "reason": verdict.reason,
+                                           "ranks_out": out}
 
     def _state(self, environ: dict[str, Any]) -> tuple[str, object]:
         snap = self.snapshot

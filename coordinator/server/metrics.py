@@ -144,6 +144,9 @@ def _group_metrics(published: Published, now: float) -> Iterator[Metric]:
                             value=1.0 if snap.lockstep else 0.0)
     yield GaugeMetricFamily(_name("all_ranks_ready"), "1 when every rank of the group is ready",
                             value=1.0 if snap.all_ready else 0.0)
+    yield GaugeMetricFamily(_name("group_serves"), "1 when the group takes requests (what "
+                            "/readyz says: gate open, at least one rank dispatchable)",
+                            value=1.0 if snap.readiness.serves else 0.0)
     yield CounterMetricFamily(_name("waves"), "Waves started", value=snap.waves_total)
     yield CounterMetricFamily(_name("running_seconds"), "Seconds the group was running a wave",
                               value=snap.seconds_running)

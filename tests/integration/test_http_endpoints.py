@@ -15,6 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.core.observe.recorder import KIND_MEMBERSHIP, KIND_WAVE, FlightRecorder
+from coordinator.core.ranks.readiness import Readiness
 from coordinator.core.waves.watchdog import HangWatchdog
 from coordinator.server.http import (
     HttpEndpoints,
@@ -314,22 +315,24 @@ def test_healthz_uses_the_injected_clock() -> None:
         now[0] = 101.5
         assert get_json(http.url + "/healthz")[0] == 503
         # readiness needs a live loop too
-        http.update(make_snapshot(taken_at=90.0, all_ready=True))
+        http.update(make_snapshot(taken_at=90.0, readiness=Readiness(True, "all ranks")))
         assert get_json(http.url + "/readyz")[0] == 503
 
 
-def test_readyz(endpoints: HttpEndpoints) -> None:
+def test_readyz_says_what_the_cores_rule_says(endpoints: HttpEndpoints) -> None:
+    status, body = get_json(endpoints.url + "/readyz")
+    assert status == 503  # no snapshot yet
+    endpoints.update(make_snapshot(readiness=Readiness(
+        True, "2 of 3 ranks take requests (1 cordoned)", {2: "cordoned"})))
+    assert get_json(endpoints.url + "/readyz") == (200, {
+        "status": "ready", "ranks": 3, "reason": "2 of 3 ranks take requests (1 cordoned)",
+        "ranks_out": {"2": "cordoned"}})
+    endpoints.update(make_snapshot(readiness=Readiness(
+        False, "no rank can take requests (3 dead)", {0: "dead", 1: "dead", 2: "dead"})))
     status, body = get_json(endpoints.url + "/readyz")
     assert status == 503
-    endpoints.update(make_snapshot())
-    status, body = get_json(endpoints.url + "/readyz")
-    assert status == 503
-    assert body["ranks_not_ready"] == {"2": "dead"}
-    assert body["reason"] == "1 of 3 ranks are not ready"
-    endpoints.update(make_snapshot(ranks=[RankView(0, "ready")], all_ready=False))
-    assert get_json(endpoints.url + "/readyz")[1]["reason"] == "the group is not ready"
-    endpoints.update(make_snapshot(all_ready=True, ranks=[RankView(0, "ready")]))
-    assert get_json(endpoints.url + "/readyz") == (200, {"status": "ready", "ranks": 1})
+    assert body == {"status": "not_ready", "reason": "no rank can take requests (3 dead)",
+                    "ranks_out": {"0": "dead", "1": "dead", "2": "dead"}}
 
 
 # --- /state, /debug/waves ----------------------------------------------------------------------

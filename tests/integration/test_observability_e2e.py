@@ -320,7 +320,7 @@ async def test_metrics_and_endpoints_follow_a_sim_run(coordinator: CoordinatorFa
     status, body = await http.json("/readyz")
     assert status == 503, body
     assert body["status"] == "not_ready"
-    assert body["ranks_not_ready"] == {"0": "absent", "1": "absent", "2": "absent"}
+    assert body["ranks_out"] == {"0": "absent", "1": "absent", "2": "absent"}
 
     async with sim_group(handle, 3, prefix="burst") as group:
 
@@ -394,7 +394,8 @@ async def test_metrics_and_endpoints_follow_a_sim_run(coordinator: CoordinatorFa
         status, health = await http.json("/healthz")
         assert (status, health["status"]) == (200, "ok")
         status, ready_body = await http.json("/readyz")
-        assert (status, ready_body) == (200, {"status": "ready", "ranks": 3})
+        assert (status, ready_body) == (200, {"status": "ready", "ranks": 3, "ranks_out": {},
+                                              "reason": "all 3 ranks take requests"})
 
         state = await http.state()
         assert [(e["rank"], e["state"]) for e in state["engines"]] == [
