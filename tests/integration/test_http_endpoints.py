@@ -251,6 +251,29 @@ def test_balance_ratio_falls_back_to_all_ranks_and_unknown_states_are_shown(
     assert value(s, "dp_coordinator_all_ranks_ready") == 1
 
 
+def test_labelled_counters_show_zero_on_a_healthy_coordinator(
+    endpoints: HttpEndpoints,
+) -> None:
+    """Nothing counted yet: the label values every coordinator can count are there at 0
+    (a panel shows 0, not "No data"), and a count replaces its zero."""
+    endpoints.update(make_snapshot(counters={}))
+    _, s = scrape(endpoints)
+    for name, labels in [
+        ("dp_coordinator_refused_total", {"socket": "handshake", "reason": "rank_held"}),
+        ("dp_coordinator_dropped_frames_total", {"socket": "frontend", "reason": "decode"}),
+        ("dp_coordinator_send_dropped_total", {"socket": "dispatch", "reason": "unreachable"}),
+        ("dp_coordinator_handshakes_total", {"step": "hello", "outcome": "accepted"}),
+        ("dp_coordinator_handshakes_total", {"step": "any", "outcome": "refused"}),
+    ]:
+        assert value(s, name, **labels) == 0, (name, labels)
+    assert all(v == 0 for v in s["dp_coordinator_refused_total"].values())
+    endpoints.update(make_snapshot(counters={"refused.handshake.rank_held": 2}))
+    _, s = scrape(endpoints)
+    assert value(s, "dp_coordinator_refused_total", socket="handshake",
+                 reason="rank_held") == 2
+    assert value(s, "dp_coordinator_handshakes_total", step="any", outcome="refused") == 2
+
+
 def test_openmetrics_is_served_when_asked(endpoints: HttpEndpoints) -> None:
     endpoints.update(make_snapshot())
     status, body, headers = get(endpoints.url + "/metrics",
