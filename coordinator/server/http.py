@@ -17,7 +17,8 @@ Endpoints:
   /readyz        200 when healthy and the group serves: the start-up gate is open and
                  at least one rank takes requests (core.ranks.readiness)
   /state         JSON: membership, loads, wave, counters, watchdog
-  /debug/waves   JSON: the flight recorder tail (`?n=` limits it)
+  /debug/waves   JSON: the flight recorder tail (`?n=` limits it), each event with its
+                 age and its time of day (UTC)
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import socketserver
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from datetime import datetime, timezone
 from typing import Any, Final, cast
 from urllib.parse import parse_qs
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -86,11 +88,13 @@ class HttpEndpoints:
         *,
         stale_after_s: float = DEFAULT_STALE_AFTER_S,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.host = host
         self.port = port
         self.stale_after_s = stale_after_s
         self._clock = clock
+        self._wall_clock = wall_clock  # for the time of day of recorded events
         self._published: Published | None = None
         # Histogram state is touched only by update() (the loop thread).
         self._latency_counts = [0] * (len(WAKE_LATENCY_BUCKETS) + 1)
@@ -256,13 +260,16 @@ class HttpEndpoints:
                 return "400 Bad Request", {"error": f"n must be a non-negative integer, "
                                            f"got {limit!r}"}
             events = events[len(events) - int(limit) :] if int(limit) else []
-        now = self._clock()
+        now, wall_now = self._clock(), self._wall_clock()
         out = []
         for event in events:
             item = dict(event)
             at = item.get("at")
             if isinstance(at, (int, float)):
                 item["age_s"] = round(now - at, 6)
+                # `at` is the loop's monotonic clock; this is when that was, in UTC.
+                item["time"] = datetime.fromtimestamp(wall_now - (now - at), timezone.utc
+                                                      ).isoformat(timespec="milliseconds")
             out.append(item)
         return "200 OK", {"count": len(out), "events": out}
 

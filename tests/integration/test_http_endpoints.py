@@ -402,6 +402,17 @@ def test_debug_waves(endpoints: HttpEndpoints) -> None:
     assert get_json(endpoints.url + "/debug/waves")[1]["events"] == [{"seq": 1, "at": None}]
 
 
+def test_debug_waves_gives_each_event_its_time_of_day() -> None:
+    """`at` is monotonic, which means nothing to an operator reading logs beside it."""
+    with HttpEndpoints("127.0.0.1", 0, clock=lambda: 1000.0,
+                       wall_clock=lambda: 1_767_225_600.0) as http:  # 2026-01-01T00:00:00Z
+        tail = [{"seq": 1, "at": 997.5}, {"seq": 2, "at": 1000.0}]
+        http.update(make_snapshot(taken_at=1000.0, recorder_tail=tail))
+        events = get_json(http.url + "/debug/waves")[1]["events"]
+    assert [e["time"] for e in events] == [  # type: ignore[union-attr]
+        "2025-12-31T23:59:57.500+00:00", "2026-01-01T00:00:00.000+00:00"]
+
+
 # --- HTTP details ------------------------------------------------------------------------------
 
 
