@@ -4,10 +4,9 @@ A coordinator with a short lease TTL, a group of simulated lockstep engines and
 a frontend under steady load. The coordinator is stopped (SIGSTOP) for much
 longer than the TTL, as a debugger, a frozen VM or a long pause would stop it,
 and then continued. The engines never stopped: every rank must be ready again
-within seconds (``/readyz`` answers 200 with no rank out: every lease alive, none
-left expired),
-nothing may be reported failed or lost, every request dispatched before the
-stall completes, and each rank takes a request soon after. The time to recover
+within seconds (``/readyz`` answers 200 with no rank out: every lease alive,
+none left expired), nothing may be reported failed or lost, every request
+dispatched before the stall completes, and each rank takes a request soon after. The time to recover
 and the requests lost are printed.
 """
 
