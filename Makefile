@@ -4,6 +4,9 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-dev
+# The package and its runtime dependencies only: all the demo needs. The dev
+# install includes it, so after `make test` the demo installs nothing.
+RUNTIME_STAMP := $(VENV)/.installed-runtime
 
 .PHONY: demo test lint typecheck unit compat-matrix netns-test bench bench-quick fuzz chaos clean
 
@@ -11,9 +14,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev,bench]'
-	touch $(STAMP)
+	touch $(STAMP) $(RUNTIME_STAMP)
 
-demo: $(STAMP)
+$(RUNTIME_STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q -e .
+	touch $(RUNTIME_STAMP)
+
+demo: $(RUNTIME_STAMP)
 	$(BIN)/dp-coordinator demo $(ARGS)
 
 test: $(STAMP) lint typecheck

@@ -97,7 +97,7 @@ class LaunchError(RuntimeError):
 
 
 class LauncherFlagError(ValueError):
-    """Extra `serve` flags repeat a flag the launcher sets itself."""
+    """Extra `serve` flags `serve` would refuse, or that repeat one the launcher sets."""
 
 
 SERVE_OPTIONS: Final = frozenset({
@@ -151,6 +151,22 @@ def find_flags(
         if flag in wanted:
             found.append((flag, arg))
     return found
+
+
+def unknown_flags(args: Sequence[str], known: Iterable[str] | None = None) -> list[str]:
+    """Each of `args` that `serve` would refuse as an option: a `--name` that is neither
+    one of its options nor an unambiguous abbreviation of one (`--` ends the options)."""
+    options = frozenset(serve_option_names() if known is None else known)
+    unknown: list[str] = []
+    for arg in args:
+        if arg == "--":
+            break
+        if not arg.startswith("--") or len(arg) < 3:
+            continue
+        name = arg.partition("=")[0]
+        if name not in options and sum(o.startswith(name) for o in options) != 1:
+            unknown.append(arg)
+    return unknown
 
 
 def describe_flags(found: Sequence[tuple[str, str]]) -> str:

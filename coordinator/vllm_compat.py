@@ -67,6 +67,7 @@ from coordinator.launch import (
     launch,
     publish_addresses,
     serve_option_names,
+    unknown_flags,
 )
 from coordinator.protocol.addresses import is_loopback_host
 
@@ -430,6 +431,12 @@ DROPIN_FLAGS: Final = (*LAUNCHER_FLAGS, "--ipc-dir")
 
 
 def _refuse_dropin_flags(args: Sequence[str], source: str) -> None:
+    unknown = unknown_flags(args)
+    if unknown:
+        raise LauncherFlagError(
+            f"{source} has {', '.join(unknown)}, which `dp-coordinator serve` does not know "
+            f"(or cannot tell from another flag it abbreviates); `dp-coordinator serve "
+            f"--help` lists its flags")
     found = find_flags(args, DROPIN_FLAGS)
     if found:
         raise LauncherFlagError(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 import time
 
@@ -82,16 +83,34 @@ def add_admin_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def check_reachable(address: str) -> None:
-    """Say so at once when the owner-only admin socket is not ours to connect to
+    """Say at once why the owner-only admin socket cannot be used, when it cannot
     (ZeroMQ would retry silently until the timeout)."""
     if not address.startswith("ipc://"):
         return
     path = address[len("ipc://"):]
-    if os.path.exists(path) and not os.access(path, os.W_OK):
+    if not os.path.exists(path):
+        raise StatusError(
+            f"the admin socket {path} does not exist here: the coordinator stopped, or it "
+            "runs with a private /tmp (systemd's PrivateTmp=yes, another container) where "
+            "it made the socket; start it with --ipc-dir in a directory both see (the "
+            "shipped unit uses its RuntimeDirectory, /run/dp-coordinator) and run this as "
+            "its user (sudo -u dp-coordinator dp-coordinator ...)")
+    if not os.access(path, os.W_OK):
         raise StatusError(f"the admin socket {path} is owner-only and this user may not use "
                           "it: run the command as the coordinator's user, or over CURVE with "
                           "a key listed in its --admin-keys-dir (--curve-secret-key, "
                           "--curve-server-key)")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(2.0)
+        probe.connect(path)
+    except ConnectionRefusedError:
+        raise StatusError(f"nothing listens on the admin socket {path}: the coordinator "
+                          "that made it is gone (its address file is stale)") from None
+    except OSError:
+        pass  # let ZeroMQ try, and time out with its own message
+    finally:
+        probe.close()
 
 
 def run_admin(args: argparse.Namespace) -> int:

@@ -51,7 +51,9 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
                    "paths (default: ipc)")
     p.add_argument("--ipc-dir", default=None, metavar="DIR",
                    help="fixed directory for the ipc sockets, so a restarted coordinator "
-                   "binds the same addresses (default: a new private temp directory)")
+                   "binds the same addresses, and for the owner-only admin socket "
+                   "(DIR/admin.d/admin, with --host too), so operators find it where "
+                   "the service's /tmp is private (default: a new private temp directory)")
     p.add_argument("--bind", action="append", default=[], metavar="KEY=ENDPOINT",
                    help="bind one socket at ENDPOINT (ipc://... or tcp://host:port) instead "
                    "of the default, e.g. keep handshake, dispatch and frontend on private "

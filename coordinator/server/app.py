@@ -209,8 +209,9 @@ class CoordinatorServer:
                                                   f"{exc.strerror}") from None
                 self._sockets[key] = sock
                 self.addresses[key] = resolved
+            # In --ipc-dir with --host too: a service's private /tmp would hide it.
             admin, self.addresses["admin"], self._admin_dir = bind_admin(
-                self._ctx, self._ipc_dir, cfg.max_message_bytes("admin"))
+                self._ctx, self._ipc_dir or cfg.ipc_dir, cfg.max_message_bytes("admin"))
             self._sockets["admin"] = admin
         except (zmq.ZMQError, OSError):
             self.close()

@@ -14,9 +14,11 @@ Endpoints:
                  our own (never the process-global one)
   /healthz       200 while the loop published a snapshot within `stale_after_s`,
                  else 503 with a JSON reason
-  /readyz        200 when healthy and every rank of the group is ready
+  /readyz        200 when healthy and the group serves: the start-up gate is open and
+                 at least one rank takes requests (core.ranks.readiness)
   /state         JSON: membership, loads, wave, counters, watchdog
-  /debug/waves   JSON: the flight recorder tail (`?n=` limits it)
+  /debug/waves   JSON: the flight recorder tail (`?n=` limits it), each event with its
+                 age and its time of day (UTC)
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import socketserver
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from datetime import datetime, timezone
 from typing import Any, Final, cast
 from urllib.parse import parse_qs
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -86,11 +89,13 @@ class HttpEndpoints:
         *,
         stale_after_s: float = DEFAULT_STALE_AFTER_S,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.host = host
         self.port = port
         self.stale_after_s = stale_after_s
         self._clock = clock
+        self._wall_clock = wall_clock  # for the time of day of recorded events
         self._published: Published | None = None
         # Histogram state is touched only by update() (the loop thread).
         self._latency_counts = [0] * (len(WAKE_LATENCY_BUCKETS) + 1)
@@ -213,15 +218,13 @@ class HttpEndpoints:
         snap = self.snapshot
         if not healthy or snap is None:
             return "503 Service Unavailable", body
-        not_ready = {str(v.rank): v.state for v in snap.ranks if v.state != "ready"}
-        if snap.all_ready:
-            return "200 OK", {"status": "ready", "ranks": len(snap.ranks)}
-        return "503 Service Unavailable", {
-            "status": "not_ready",
-            "reason": f"{len(not_ready)} of {len(snap.ranks)} ranks are not ready"
-            if not_ready else "the group is not ready",
-            "ranks_not_ready": not_ready,
-        }
+        verdict = snap.readiness  # the core's rule: core.ranks.readiness
+        out = {str(rank): state for rank, state in verdict.out.items()}
+        if verdict.serves:
+            return "200 OK", {"status": "ready", "ranks": len(snap.ranks),
+                              "reason": verdict.reason, "ranks_out": out}
+        return "503 Service Unavailable", {"status": "not_ready", "reason": verdict.reason,
+                                           "ranks_out": out}
 
     def _state(self, environ: dict[str, Any]) -> tuple[str, object]:
         snap = self.snapshot
@@ -258,13 +261,16 @@ class HttpEndpoints:
                 return "400 Bad Request", {"error": f"n must be a non-negative integer, "
                                            f"got {limit!r}"}
             events = events[len(events) - int(limit) :] if int(limit) else []
-        now = self._clock()
+        now, wall_now = self._clock(), self._wall_clock()
         out = []
         for event in events:
             item = dict(event)
             at = item.get("at")
             if isinstance(at, (int, float)):
                 item["age_s"] = round(now - at, 6)
+                # `at` is the loop's monotonic clock; this is when that was, in UTC.
+                item["time"] = datetime.fromtimestamp(wall_now - (now - at), timezone.utc
+                                                      ).isoformat(timespec="milliseconds")
             out.append(item)
         return "200 OK", {"count": len(out), "events": out}
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, get_args
 
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
@@ -21,7 +21,10 @@ from prometheus_client.metrics_core import (
 )
 
 from coordinator.core.dispatch.balancer import balance_ratio
+from coordinator.core.events import SendFailure
+from coordinator.core.ranks.membership import RefusalReason
 from coordinator.core.ranks.versions import SUPPORTED_RANGE, is_supported
+from coordinator.protocol.addresses import SOCKET_KEYS
 from coordinator.server.observe import ObservedState
 from coordinator.server.prefix_metrics import prefix_metrics
 
@@ -36,6 +39,18 @@ WATCHDOG_KINDS: Final = ("no_progress", "wave_split")
 WAKE_LATENCY_BUCKETS: Final = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 )
+
+# Label values every coordinator can count, shown at 0 until they count something: a
+# healthy system's panels then show 0, not "No data", and rate() has a starting point.
+ZERO_SERIES: Final[dict[str, tuple[tuple[str, str], ...]]] = {
+    "refused": tuple(("handshake", reason.value) for reason in RefusalReason),
+    "dropped": tuple((socket, reason) for socket in SOCKET_KEYS
+                     for reason in ("decode", "frame_count")),
+    "send_dropped": tuple((socket, reason) for socket in SOCKET_KEYS if socket != "back_output"
+                          for reason in get_args(SendFailure)),
+}
+HANDSHAKE_ZERO_SERIES: Final = (("hello", "accepted"), ("ready", "accepted"),
+                                ("any", "replaced"), ("any", "refused"))
 
 # Counter keys of the core (CoordinatorCore.counter_values) that metrics single out.
 COUNTER_START_BROADCASTS: Final = "waves.start_broadcasts"
@@ -144,6 +159,9 @@ def _group_metrics(published: Published, now: float) -> Iterator[Metric]:
                             value=1.0 if snap.lockstep else 0.0)
     yield GaugeMetricFamily(_name("all_ranks_ready"), "1 when every rank of the group is ready",
                             value=1.0 if snap.all_ready else 0.0)
+    yield GaugeMetricFamily(_name("group_serves"), "1 when the group takes requests (what "
+                            "/readyz says: gate open, at least one rank dispatchable)",
+                            value=1.0 if snap.readiness.serves else 0.0)
     yield CounterMetricFamily(_name("waves"), "Waves started", value=snap.waves_total)
     yield CounterMetricFamily(_name("running_seconds"), "Seconds the group was running a wave",
                               value=snap.seconds_running)
@@ -196,15 +214,21 @@ def _counter_metrics(counters: Mapping[str, int]) -> Iterator[Metric]:
     }
     events = CounterMetricFamily(_name("events"), "Every internal counter of the coordinator, "
                                  "by name", labels=["event"])
+    labelled: dict[str, dict[tuple[str, str], int]] = {
+        prefix: dict.fromkeys(ZERO_SERIES[prefix], 0) for prefix in by_socket}
     for key, value in sorted(counters.items()):
         events.add_metric([key], value)
-        for prefix, family in by_socket.items():
+        for prefix in by_socket:
             parts = split_counter(key, prefix)
             if parts is not None:
-                family.add_metric(list(parts), value)
+                labelled[prefix][parts] = value
+    for prefix, family in by_socket.items():
+        for labels, value in sorted(labelled[prefix].items()):
+            family.add_metric(list(labels), value)
     handshakes = CounterMetricFamily(_name("handshakes"), "Engine handshakes by step and "
                                      "outcome", labels=["step", "outcome"])
-    for (step, outcome), value in sorted(handshake_outcomes(counters).items()):
+    outcomes = {**dict.fromkeys(HANDSHAKE_ZERO_SERIES, 0), **handshake_outcomes(counters)}
+    for (step, outcome), value in sorted(outcomes.items()):
         handshakes.add_metric([step, outcome], value)
     yield from by_socket.values()
     yield handshakes

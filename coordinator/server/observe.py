@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from coordinator.core.coordinator import CoordinatorCore
 from coordinator.core.observe.views import PrefixView, RankView
+from coordinator.core.ranks.readiness import NOT_JUDGED, Readiness
 from coordinator.protocol.frontend import group_state_to_builtins
 
 # Snapshots not forced by the timer are at least this far apart.
@@ -83,6 +84,8 @@ class ObservedState:
     """The KV event plane (None when the coordinator follows no KV events)."""
     decision_times: tuple[tuple[int, ...], float] = ((), 0.0)
     """``DecisionTimes.snapshot()``: submits and route calls, by time taken."""
+    readiness: Readiness = NOT_JUDGED
+    """Whether the group serves (``core.ranks.readiness``)."""
 
 
 def observed_state(core: CoordinatorCore, now: float, recorder_tail: list[dict[str, object]],
@@ -98,7 +101,7 @@ def observed_state(core: CoordinatorCore, now: float, recorder_tail: list[dict[s
         wake_latencies_s=wake_latencies_s or [], watchdog=view.watchdog,
         recorder_tail=recorder_tail, all_ready=view.all_ready,
         state_json=group_state_to_builtins(view.group), policy=view.policy,
-        prefix=view.prefix,
+        prefix=view.prefix, readiness=view.readiness,
         decision_times=decisions.snapshot() if decisions is not None else ((), 0.0),
     )
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import os
 import stat
-import tempfile
 
 import zmq
 
 from coordinator.core.ranks import liveness
 from coordinator.server.config import ServerConfig
 from coordinator.server.stats_reader import BACK_OUTPUT_RCVHWM
+from coordinator.server.tempdirs import make_own_dir, sweep_stale_dirs
 from coordinator.server.transport import bind_socket
 
 SocketSpec = tuple[str, int, list[tuple[int, int]]]
@@ -62,14 +62,16 @@ def bind_admin(ctx: zmq.Context[zmq.Socket[bytes]], ipc_dir: str | None,
 
     Connecting to a unix socket needs write permission on its file, so only this
     process's user (and root) can reach it; that is the authority of what comes
-    in on it (see core.authority).
+    in on it (see core.authority). Directories killed coordinators left in the temp
+    directory are removed first (see server.tempdirs).
     """
+    sweep_stale_dirs()
     if ipc_dir is not None:
         admin_dir = os.path.join(ipc_dir, "admin.d")
         os.makedirs(admin_dir, mode=stat.S_IRWXU, exist_ok=True)
         os.chmod(admin_dir, stat.S_IRWXU)
     else:
-        admin_dir = tempfile.mkdtemp(prefix="dp-coordinator-admin-")
+        admin_dir = make_own_dir("admin")
     path = os.path.join(admin_dir, "admin")
     sock, resolved = bind_socket(
         ctx, zmq.ROUTER, f"ipc://{path}", max_message_bytes=max_message_bytes,

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from coordinator.protocol.addresses import is_ipv6_tcp, tcp_endpoint
+from coordinator.server.tempdirs import make_own_dir
 
 MIB = 1024 * 1024
 # Bounds on one message, all its frames together (identity frames included), per
@@ -51,7 +52,7 @@ def make_endpoint(key: str, *, host: str | None, ipc_dir: str, port: int = 0) ->
 
 
 def new_ipc_dir() -> str:
-    return tempfile.mkdtemp(prefix="dp-coordinator-")
+    return make_own_dir("ipc")
 
 
 def bind_socket(

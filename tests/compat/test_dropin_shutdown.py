@@ -185,6 +185,24 @@ def test_owned_flags_in_the_environment_are_refused_at_once(
     assert not os.path.exists("coord.json")
 
 
+@pytest.mark.parametrize(("serve_args", "named"), [
+    ("--no-such-flag", "--no-such-flag"),
+    ("--metrics-prot 9400", "--metrics-prot"),  # a typo
+    ("--recorder-size 50 --m=1", "--m=1"),  # abbreviates several flags
+])
+def test_flags_serve_does_not_know_are_refused_before_the_child_starts(
+    rpc_base: Path, monkeypatch: pytest.MonkeyPatch, serve_args: str, named: str
+) -> None:
+    """Not after the child started and exited: the message names the flag, and nothing
+    was made (no process, no file)."""
+    monkeypatch.setenv("DP_COORDINATOR_SERVE_ARGS", serve_args)
+    with pytest.raises(ValueError) as refused:
+        start()
+    assert str(refused.value).startswith(f"DP_COORDINATOR_SERVE_ARGS has {named}, which "
+                                         "`dp-coordinator serve` does not know")
+    assert files_under(rpc_base) == []
+
+
 def test_owned_flags_in_extra_args_are_refused_too(rpc_base: Path) -> None:
     with pytest.raises(ValueError, match=r"^extra_args sets --engines, "):
         start(extra_args=["--engines", "4"])

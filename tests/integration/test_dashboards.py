@@ -4,19 +4,20 @@ A real coordinator (tcp, metrics on) serves simulated engines, a frontend
 submits a few requests (a wake, dispatches), and a bad engine identity and a
 garbage frame plant a refusal and a drop. Its `/metrics` is scraped, and every
 query of `deploy/grafana/dp-coordinator.json` (panels, template variables,
-annotations) and every expression of `deploy/prometheus/alerts.yml` is taken
+annotations) and every expression of `deploy/prometheus/rules/alerts.yml` is taken
 apart enough to pull out the metric names and label names it uses; each must
 be a series of a family in that scrape (or Prometheus' own `up`), and each
 label one those series carry (or a label Prometheus adds at scrape time).
 
 Where `promtool` is installed (Debian's `prometheus` package), it also checks
-the rule file, runs the alert unit tests in `deploy/prometheus/alerts_test.yml`
+the rule files, runs the alert unit tests in `deploy/prometheus/tests/`
 and parses every dashboard query; those tests are skipped without it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import glob
 import json
 import re
 import shutil
@@ -42,9 +43,10 @@ pytestmark = pytest.mark.timeout(120)
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "deploy" / "grafana" / "dp-coordinator.json"
-ALERTS = REPO / "deploy" / "prometheus" / "alerts.yml"
-ALERT_TESTS = REPO / "deploy" / "prometheus" / "alerts_test.yml"
-PROMETHEUS_CONFIG = REPO / "deploy" / "prometheus" / "prometheus.yml"
+PROMETHEUS = REPO / "deploy" / "prometheus"
+ALERTS = PROMETHEUS / "rules" / "alerts.yml"
+ALERT_TESTS = PROMETHEUS / "tests" / "alerts_test.yml"
+PROMETHEUS_CONFIG = PROMETHEUS / "config" / "prometheus.yml"
 
 STEP = 5.0
 # Labels Prometheus attaches to every scraped series, and its per-target series.
@@ -171,12 +173,59 @@ def test_the_files_parse_and_have_what_operators_look_for() -> None:
         assert rule["labels"]["severity"] in ("critical", "warning"), rule["alert"]
         assert rule["annotations"]["summary"] and rule["annotations"]["description"]
     config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
-    assert config["rule_files"] == ["alerts.yml"]
+    assert config["rule_files"] == ["../rules/*.yml"]
     assert [job["job_name"] for job in config["scrape_configs"]] == ["dp-coordinator"]
     tests = yaml.safe_load(ALERT_TESTS.read_text())
     tested = {case["alertname"] for test in tests["tests"] for case in test["alert_rule_test"]
               if case["exp_alerts"]}
     assert tested == names  # every alert has a case where it fires
+
+
+_OUTER_AGGREGATION = re.compile(
+    r"\s*(?:[\d.]+\s*\*\s*)?(?:histogram_quantile\(\s*[\d.]+\s*,\s*)?"
+    r"(?:sum|max|min|count|avg)\s*(?:by\s*\(([^)]*)\))?\s*\(")
+
+
+def result_keeps(expr: str, label: str) -> bool:
+    """Whether the series an expression returns still carry `label`: yes without an
+    outer aggregation, else only when the aggregation groups by it."""
+    match = _OUTER_AGGREGATION.match(expr)
+    if match is None:
+        return True
+    return label in {name.strip() for name in (match.group(1) or "").split(",")}
+
+
+def legend_collisions(queries: Iterator[tuple[str, str, str | None]]) -> list[str]:
+    """Queries whose legend would be the same for two coordinators: results that keep
+    `instance` but a legend that does not name it, and ranks grouped without it (rank
+    numbers are per coordinator)."""
+    problems = []
+    for where, expr, legend in queries:
+        if not legend:
+            continue  # a table or a state timeline: Grafana shows every label
+        if result_keeps(expr, "instance") and "{{instance}}" not in legend:
+            problems.append(f"{where}: {legend!r} for {expr}")
+        elif result_keeps(expr, "rank") and not result_keeps(expr, "instance"):
+            problems.append(f"{where}: ranks of every coordinator summed in {expr}")
+    return problems
+
+
+def test_no_two_coordinators_share_a_legend() -> None:
+    assert legend_collisions(dashboard_expressions()) == []
+
+
+def test_a_colliding_legend_is_caught() -> None:
+    assert legend_collisions(iter([
+        ("a", 'dp_coordinator_rank_waiting{instance=~"$instance"}', "rank {{rank}}"),
+        ("b", "sum by (rank) (dp_coordinator_rank_in_flight)", "rank {{rank}}"),
+        ("c", "count by (instance) (dp_coordinator_rank_state)", "ranks"),
+        ("d", "sum by (socket) (rate(dp_coordinator_refused_total[5m]))", "{{socket}}"),
+        ("e", "histogram_quantile(0.5, sum by (le) (rate(x_bucket[5m])))", "p50"),
+    ])) == [
+        "a: 'rank {{rank}}' for dp_coordinator_rank_waiting{instance=~\"$instance\"}",
+        "b: ranks of every coordinator summed in sum by (rank) (dp_coordinator_rank_in_flight)",
+        "c: 'ranks' for count by (instance) (dp_coordinator_rank_state)",
+    ]
 
 
 # ---- a real coordinator's scrape ---------------------------------------------------------------
@@ -369,9 +418,27 @@ def promtool(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([PROMTOOL, *args], capture_output=True, text=True, timeout=60)
 
 
+def test_each_prometheus_folder_holds_one_kind_of_file() -> None:
+    """rules/ only rule files, tests/ only rule tests, config/ only the configuration, so
+    the documented globs (`promtool check rules deploy/prometheus/rules/*.yml`) work."""
+    kinds = {"rules": {"groups"}, "tests": {"rule_files", "tests", "evaluation_interval"},
+             "config": {"global", "rule_files", "scrape_configs"}}
+    assert sorted(p.name for p in PROMETHEUS.iterdir()) == sorted(kinds)
+    for folder, keys in kinds.items():
+        files = sorted((PROMETHEUS / folder).iterdir())
+        assert files and all(f.suffix == ".yml" for f in files), files
+        for path in files:
+            assert set(yaml.safe_load(path.read_text())) <= keys, path
+    config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    for pattern in config["rule_files"]:  # relative to the configuration file
+        found = glob.glob(str(PROMETHEUS_CONFIG.parent / pattern))
+        assert [Path(p).resolve() for p in found] == [ALERTS.resolve()], pattern
+
+
 @needs_promtool
 def test_promtool_accepts_the_rules_and_the_config() -> None:
-    checked = promtool("check", "rules", str(ALERTS))
+    rule_files = [str(p) for p in sorted((PROMETHEUS / "rules").glob("*.yml"))]
+    checked = promtool("check", "rules", *rule_files)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     config = promtool("check", "config", str(PROMETHEUS_CONFIG))
     assert config.returncode == 0, config.stdout + config.stderr
@@ -379,7 +446,8 @@ def test_promtool_accepts_the_rules_and_the_config() -> None:
 
 @needs_promtool
 def test_promtool_runs_the_alert_unit_tests() -> None:
-    result = promtool("test", "rules", str(ALERT_TESTS))
+    tests = [str(p) for p in sorted((PROMETHEUS / "tests").glob("*.yml"))]
+    result = promtool("test", "rules", *tests)
     assert result.returncode == 0, result.stdout + result.stderr
 
 

@@ -27,6 +27,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -134,10 +135,11 @@ def http_status(url: str) -> int:
 class Served:
     """`python -m coordinator <argv>` running, with its address file read."""
 
-    def __init__(self, argv: Sequence[str], addr_file: Path) -> None:
+    def __init__(self, argv: Sequence[str], addr_file: Path,
+                 command: Sequence[str] = (sys.executable, "-m", "coordinator")) -> None:
         self.log = addr_file.with_suffix(".log")
         with open(self.log, "wb") as log:
-            self.process = subprocess.Popen([sys.executable, "-m", "coordinator", *argv],
+            self.process = subprocess.Popen([*command, *argv],
                                             stdin=subprocess.DEVNULL, stdout=log, stderr=log)
         deadline = time.monotonic() + 20.0
         while not addr_file.exists():
@@ -203,23 +205,67 @@ def test_the_unit_runs_the_standalone_coordinator() -> None:
     assert helped.stdout.startswith("usage: dp-coordinator serve")
 
 
-def test_the_units_command_serves_and_stops_on_sigterm(
-    tmp_path: Path, served: list[Served]
-) -> None:
-    argv = shlex.split(read_unit(UNIT)["Service"]["ExecStart"])[1:]
-    # This machine's loopback and free ports instead of the group's network.
-    argv = replace_flag(argv, "--host", "127.0.0.1")
+PRIVATE_TMP = ["unshare", "--mount", "sh", "-c", 'mount -t tmpfs tmpfs /tmp && exec "$@"', "sh"]
+"""A command prefix giving what follows a /tmp of its own, as PrivateTmp=yes does."""
+
+
+def private_tmp_works() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    try:
+        tried = subprocess.run([*PRIVATE_TMP, "true"], capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return tried.returncode == 0
+
+
+needs_private_tmp = pytest.mark.skipif(
+    not private_tmp_works(), reason="cannot make a private /tmp here (unshare --mount and "
+    "mount need root or user namespaces)")
+
+
+@pytest.fixture
+def scratch() -> Iterator[Path]:
+    """A directory outside /tmp, which the private /tmp would hide from the service."""
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else str(REPO)
+    path = Path(tempfile.mkdtemp(prefix="dpc-unit-", dir=base))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def unit_command(scratch: Path, *, drop: Sequence[str] = ()) -> list[str]:
+    """The unit's ExecStart arguments as they are, but for what cannot be used here:
+    loopback for the group's addresses, free ports, and the unit's own directories
+    (StateDirectory, RuntimeDirectory) made under `scratch`, as systemd makes them."""
+    service = read_unit(UNIT)["Service"]
+    argv = shlex.split(service["ExecStart"])[1:]
+    for flag in ("--host", "--metrics-host", "--master-ip"):
+        argv = replace_flag(argv, flag, "127.0.0.1")
     argv = replace_flag(argv, "--port-base", str(free_port_block(6)))
-    argv = replace_flag(argv, "--metrics-host", "127.0.0.1")
-    argv = replace_flag(argv, "--metrics-port", str(free_port_block(1)))
-    argv = replace_flag(argv, "--state-file", str(tmp_path / "state.json"))
-    argv = replace_flag(argv, "--addr-file", str(tmp_path / "addresses.json"))
-    coordinator = Served(argv, tmp_path / "addresses.json")
+    for flag in ("--metrics-port", "--master-port"):
+        argv = replace_flag(argv, flag, str(free_port_block(1)))
+    for key, under in (("StateDirectory", "/var/lib"), ("RuntimeDirectory", "/run")):
+        systemd_path = f"{under}/{service[key]}"
+        (scratch / key).mkdir(mode=0o755)
+        argv = [arg.replace(systemd_path, str(scratch / key)) for arg in argv]
+    for flag in drop:
+        index = argv.index(flag)
+        del argv[index:index + 2]
+    return argv
+
+
+def test_the_units_command_serves_and_stops_on_sigterm(
+    scratch: Path, served: list[Served]
+) -> None:
+    argv = unit_command(scratch)
+    addr_file = Path(flag_value(argv, "--addr-file"))
+    coordinator = Served(argv, addr_file, command=[console_script()])
     served.append(coordinator)
     base = int(flag_value(argv, "--port-base"))
-    # The six sockets on --port-base, and the operators' owner-only ipc socket.
+    # The six sockets on --port-base, and the operators' owner-only ipc socket in the
+    # RuntimeDirectory (--ipc-dir).
     admin = coordinator.addresses.pop("admin")
-    assert admin.startswith("ipc://") and admin.endswith("/admin")
+    assert admin == f"ipc://{scratch}/RuntimeDirectory/admin.d/admin"
     assert coordinator.addresses == {key: f"tcp://127.0.0.1:{base + index}"
                                      for index, key in enumerate(SOCKET_KEYS)}
     metrics = f"http://127.0.0.1:{flag_value(argv, '--metrics-port')}"
@@ -228,21 +274,120 @@ def test_the_units_command_serves_and_stops_on_sigterm(
         assert time.monotonic() < deadline, coordinator.log.read_text()
         time.sleep(0.05)
     assert coordinator.stop() == 0, coordinator.log.read_text()
-    assert (tmp_path / "state.json").exists()  # kept for the restart
-    assert not (tmp_path / "addresses.json").exists()
+    assert Path(flag_value(argv, "--state-file")).exists()  # kept for the restart
+    assert not addr_file.exists()
+    assert not (scratch / "RuntimeDirectory" / "admin.d").exists()
+
+
+def wait_for_status(url: str, status: int, log: Path) -> None:
+    deadline = time.monotonic() + 4 * STEP
+    while http_status(url) != status:
+        assert time.monotonic() < deadline, f"{url} never {status}:\n{log.read_text()[-3000:]}"
+        time.sleep(0.05)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([console_script(), *args], capture_output=True, text=True,
+                          timeout=4 * STEP)
+
+
+@needs_private_tmp
+def test_the_unit_under_a_private_tmp_gets_ready_and_takes_the_documented_commands(
+    scratch: Path, served: list[Served]
+) -> None:
+    """As systemd runs it (a /tmp of its own), the group joins, /readyz turns 200, and
+    the commands the unit's comments show reach the admin socket from outside."""
+    argv = unit_command(scratch)
+    addr_file = Path(flag_value(argv, "--addr-file"))
+    coordinator = Served(argv, addr_file, command=[*PRIVATE_TMP, console_script()])
+    served.append(coordinator)
+    metrics = f"http://127.0.0.1:{flag_value(argv, '--metrics-port')}"
+    wait_for_status(metrics + "/healthz", 200, coordinator.log)
+    assert http_status(metrics + "/readyz") == 503
+    documented = [line.strip("# ").rstrip("\\ ") for line in UNIT.read_text().splitlines()
+                  if "sudo -u" in line]
+    assert any(line.endswith(" cordon 3") for line in documented), documented
+
+    async def the_group_joins_and_a_rank_is_cordoned() -> None:
+        group = SimEngineGroup(coordinator.addresses["handshake"], serve_args(argv).engines,
+                               config=SimConfig(
+            heartbeat_interval_s=0.5, handshake_timeout_s=STEP, ready_timeout_s=2 * STEP,
+            accept_timeout_s=STEP))
+        try:
+            await asyncio.wait_for(group.start(), 3 * STEP)
+            await asyncio.to_thread(wait_for_status, metrics + "/readyz", 200, coordinator.log)
+            # The documented command, as the service user (this test's user is the one
+            # the service runs as here).
+            cordoned = await asyncio.to_thread(run_cli, "cordon", "3", "--addr-file",
+                                               str(addr_file))
+            assert cordoned.returncode == 0, cordoned.stderr
+            assert cordoned.stdout.strip() == "dp_rank=3 is now cordoned"
+            drained = await asyncio.to_thread(run_cli, "drain", "2", "--wait", "30",
+                                              "--addr-file", str(addr_file))
+            assert drained.returncode == 0, drained.stderr
+            assert "dp_rank=2 drained" in drained.stdout
+            assert http_status(metrics + "/readyz") == 200  # maintenance: still serving
+        finally:
+            await asyncio.wait_for(group.stop(), 2 * STEP)
+
+    asyncio.run(the_group_joins_and_a_rank_is_cordoned())
+    assert coordinator.stop() == 0, coordinator.log.read_text()
+
+
+@needs_private_tmp
+def test_an_admin_socket_hidden_in_a_private_tmp_is_named_as_missing(
+    scratch: Path, served: list[Served]
+) -> None:
+    """Without --ipc-dir the socket is made in the service's own /tmp: the command says
+    the file does not exist, and what to do, at once (not after its timeout)."""
+    argv = unit_command(scratch, drop=["--ipc-dir"])
+    addr_file = Path(flag_value(argv, "--addr-file"))
+    coordinator = Served(argv, addr_file, command=[*PRIVATE_TMP, console_script()])
+    served.append(coordinator)
+    started = time.monotonic()
+    refused = run_cli("cordon", "3", "--addr-file", str(addr_file), "--timeout", "60")
+    assert time.monotonic() - started < 30
+    assert refused.returncode == 2
+    assert "does not exist here" in refused.stderr
+    assert "--ipc-dir" in refused.stderr and "sudo -u dp-coordinator" in refused.stderr
+    assert coordinator.stop() == 0, coordinator.log.read_text()
+
+
+def test_a_stale_address_file_is_named_as_such(scratch: Path, served: list[Served]) -> None:
+    """After a SIGKILL the address file and the socket file stay; nothing listens."""
+    argv = unit_command(scratch)
+    addr_file = Path(flag_value(argv, "--addr-file"))
+    coordinator = Served(argv, addr_file, command=[console_script()])
+    coordinator.process.kill()
+    coordinator.process.wait(timeout=4 * STEP)
+    refused = run_cli("cordon", "3", "--addr-file", str(addr_file), "--timeout", "60")
+    assert refused.returncode == 2
+    assert "nothing listens on the admin socket" in refused.stderr, refused.stderr
+
+
+def systemd_analyze(text: str, directory: Path) -> tuple[int, list[str]]:
+    """`systemd-analyze verify` on the unit text, with the command path and user of this
+    machine (the unit's do not exist here): its exit code and what it said about the
+    file (it exits 0 on an unknown key, but says so)."""
+    text = text.replace("/opt/dp-coordinator/bin/dp-coordinator", console_script())
+    text = re.sub(r"(?m)^(User|Group)=.*$", r"\1=root", text)
+    copy = directory / "dp-coordinator.service"
+    copy.write_text(text)
+    verified = subprocess.run(["systemd-analyze", "verify", str(copy)], capture_output=True,
+                              text=True, timeout=60)
+    said = [line for line in (verified.stdout + verified.stderr).splitlines()
+            if str(copy) in line]
+    return verified.returncode, said
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None,
                     reason="systemd-analyze not installed")
 def test_systemd_analyze_accepts_the_unit(tmp_path: Path) -> None:
-    """With the command path and user of this machine (the unit's do not exist here)."""
-    text = UNIT.read_text().replace("/opt/dp-coordinator/bin/dp-coordinator", console_script())
-    text = re.sub(r"(?m)^(User|Group)=.*$", r"\1=root", text)
-    copy = tmp_path / "dp-coordinator.service"
-    copy.write_text(text)
-    verified = subprocess.run(["systemd-analyze", "verify", str(copy)], capture_output=True,
-                              text=True, timeout=60)
-    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert systemd_analyze(UNIT.read_text(), tmp_path) == (0, [])
+    # What it would say about a misspelt key, which it accepts with exit code 0.
+    _, said = systemd_analyze(UNIT.read_text().replace("PrivateTmp=", "PrivateTemp="),
+                              tmp_path)
+    assert any("Unknown key" in line and "PrivateTemp" in line for line in said), said
 
 
 # ---- Kubernetes ---------------------------------------------------------------------------------
@@ -291,28 +436,53 @@ def test_the_kubernetes_example_is_consistent() -> None:
         assert env == {"POD_IP": "status.podIP"}
 
 
-def test_the_coordinator_containers_probes_mean_what_the_example_says(
-    tmp_path: Path, served: list[Served]
-) -> None:
-    argv = [arg.replace("$(POD_IP)", "127.0.0.1") for arg in containers()["coordinator"]["args"]]
-    engines = int(flag_value(argv, "--engines"))
+def container_command(run_dir: Path) -> list[str]:
+    """The coordinator container's arguments as they are, but for the pod's address
+    (loopback), free ports, and the `run` emptyDir's mount (a directory here)."""
+    coordinator = containers()["coordinator"]
+    mounts = {m["name"]: m["mountPath"] for m in coordinator["volumeMounts"]}
+    argv = [arg.replace("$(POD_IP)", "127.0.0.1").replace(mounts["run"], str(run_dir))
+            for arg in coordinator["args"]]
     argv = replace_flag(argv, "--port-base", str(free_port_block(6)))
-    argv = replace_flag(argv, "--metrics-port", str(free_port_block(1)))
-    argv = replace_flag(argv, "--addr-file", str(tmp_path / "addresses.json"))
-    coordinator = Served(argv, tmp_path / "addresses.json")
+    return replace_flag(argv, "--metrics-port", str(free_port_block(1)))
+
+
+def test_the_state_file_and_the_addresses_are_on_the_emptydir() -> None:
+    coordinator = containers()["coordinator"]
+    volumes = {v["name"]: v for v in kubernetes_objects()["Deployment"]["spec"]["template"][
+        "spec"]["volumes"]}
+    mounts = {m["name"]: m["mountPath"] for m in coordinator["volumeMounts"]}
+    assert "emptyDir" in volumes["run"]
+    args = serve_args(coordinator["args"])
+    for path in (args.state_file, args.addr_file, args.ipc_dir):
+        assert path is not None, "the state file, address file and ipc directory are set"
+        assert os.path.commonpath([path, mounts["run"]]) == mounts["run"], path
+
+
+def test_the_coordinator_containers_probes_mean_what_the_example_says(
+    scratch: Path, served: list[Served]
+) -> None:
+    """Live at once; ready once the group joined; still ready through a drain; and a
+    restarted container (SIGKILL, then the same arguments, as the kubelet restarts it)
+    resumes the group from the emptyDir with the same engines, which never say HELLO
+    again."""
+    run_dir = scratch / "run"
+    run_dir.mkdir()
+    argv = container_command(run_dir)
+    addr_file = Path(flag_value(argv, "--addr-file"))
+    engines = int(flag_value(argv, "--engines"))
+    coordinator = Served(argv, addr_file)
     served.append(coordinator)
     metrics = f"http://127.0.0.1:{flag_value(argv, '--metrics-port')}"
 
     def wait_for(path: str, status: int) -> None:
-        deadline = time.monotonic() + 4 * STEP
-        while http_status(metrics + path) != status:
-            assert time.monotonic() < deadline, f"{path} never {status}"
-            time.sleep(0.05)
+        wait_for_status(metrics + path, status, coordinator.log)
 
     wait_for("/healthz", 200)  # live at once: no restarts while engines load
     assert http_status(metrics + "/readyz") == 503
 
     async def a_frontend_and_the_ranks_join() -> None:
+        nonlocal coordinator
         # The frontend first: with --frontends the engines' INIT waits for it.
         client = FrontendClient(coordinator.addresses, client_index=0, host="127.0.0.1",
                                 call_timeout_s=STEP)
@@ -324,6 +494,22 @@ def test_the_coordinator_containers_probes_mean_what_the_example_says(
             assert http_status(metrics + "/readyz") == 503
             await asyncio.wait_for(group.start(), 3 * STEP)
             await asyncio.to_thread(wait_for, "/readyz", 200)
+            # Routine maintenance, as the file's comment shows it: the pod stays Ready.
+            drained = await asyncio.to_thread(run_cli, "drain", "3", "--wait", "30",
+                                              "--addr-file", str(addr_file))
+            assert drained.returncode == 0, drained.stderr
+            assert http_status(metrics + "/readyz") == 200
+            assert (await asyncio.to_thread(run_cli, "uncordon", "3", "--addr-file",
+                                            str(addr_file))).returncode == 0
+
+            coordinator.process.kill()
+            coordinator.process.wait(timeout=4 * STEP)
+            coordinator = Served(argv, addr_file)
+            served.append(coordinator)
+            await asyncio.to_thread(wait_for, "/healthz", 200)
+            await asyncio.to_thread(wait_for, "/readyz", 200)
+            assert f"{engines} registrations, 1 frontends, gate open" in \
+                coordinator.log.read_text()
         finally:
             await asyncio.wait_for(group.stop(), 2 * STEP)
             await asyncio.wait_for(client.close(), STEP)

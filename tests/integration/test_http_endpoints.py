@@ -15,6 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.core.observe.recorder import KIND_MEMBERSHIP, KIND_WAVE, FlightRecorder
+from coordinator.core.ranks.readiness import Readiness
 from coordinator.core.waves.watchdog import HangWatchdog
 from coordinator.server.http import (
     HttpEndpoints,
@@ -250,6 +251,29 @@ def test_balance_ratio_falls_back_to_all_ranks_and_unknown_states_are_shown(
     assert value(s, "dp_coordinator_all_ranks_ready") == 1
 
 
+def test_labelled_counters_show_zero_on_a_healthy_coordinator(
+    endpoints: HttpEndpoints,
+) -> None:
+    """Nothing counted yet: the label values every coordinator can count are there at 0
+    (a panel shows 0, not "No data"), and a count replaces its zero."""
+    endpoints.update(make_snapshot(counters={}))
+    _, s = scrape(endpoints)
+    for name, labels in [
+        ("dp_coordinator_refused_total", {"socket": "handshake", "reason": "rank_held"}),
+        ("dp_coordinator_dropped_frames_total", {"socket": "frontend", "reason": "decode"}),
+        ("dp_coordinator_send_dropped_total", {"socket": "dispatch", "reason": "unreachable"}),
+        ("dp_coordinator_handshakes_total", {"step": "hello", "outcome": "accepted"}),
+        ("dp_coordinator_handshakes_total", {"step": "any", "outcome": "refused"}),
+    ]:
+        assert value(s, name, **labels) == 0, (name, labels)
+    assert all(v == 0 for v in s["dp_coordinator_refused_total"].values())
+    endpoints.update(make_snapshot(counters={"refused.handshake.rank_held": 2}))
+    _, s = scrape(endpoints)
+    assert value(s, "dp_coordinator_refused_total", socket="handshake",
+                 reason="rank_held") == 2
+    assert value(s, "dp_coordinator_handshakes_total", step="any", outcome="refused") == 2
+
+
 def test_openmetrics_is_served_when_asked(endpoints: HttpEndpoints) -> None:
     endpoints.update(make_snapshot())
     status, body, headers = get(endpoints.url + "/metrics",
@@ -314,22 +338,24 @@ def test_healthz_uses_the_injected_clock() -> None:
         now[0] = 101.5
         assert get_json(http.url + "/healthz")[0] == 503
         # readiness needs a live loop too
-        http.update(make_snapshot(taken_at=90.0, all_ready=True))
+        http.update(make_snapshot(taken_at=90.0, readiness=Readiness(True, "all ranks")))
         assert get_json(http.url + "/readyz")[0] == 503
 
 
-def test_readyz(endpoints: HttpEndpoints) -> None:
+def test_readyz_says_what_the_cores_rule_says(endpoints: HttpEndpoints) -> None:
+    status, body = get_json(endpoints.url + "/readyz")
+    assert status == 503  # no snapshot yet
+    endpoints.update(make_snapshot(readiness=Readiness(
+        True, "2 of 3 ranks take requests (1 cordoned)", {2: "cordoned"})))
+    assert get_json(endpoints.url + "/readyz") == (200, {
+        "status": "ready", "ranks": 3, "reason": "2 of 3 ranks take requests (1 cordoned)",
+        "ranks_out": {"2": "cordoned"}})
+    endpoints.update(make_snapshot(readiness=Readiness(
+        False, "no rank can take requests (3 dead)", {0: "dead", 1: "dead", 2: "dead"})))
     status, body = get_json(endpoints.url + "/readyz")
     assert status == 503
-    endpoints.update(make_snapshot())
-    status, body = get_json(endpoints.url + "/readyz")
-    assert status == 503
-    assert body["ranks_not_ready"] == {"2": "dead"}
-    assert body["reason"] == "1 of 3 ranks are not ready"
-    endpoints.update(make_snapshot(ranks=[RankView(0, "ready")], all_ready=False))
-    assert get_json(endpoints.url + "/readyz")[1]["reason"] == "the group is not ready"
-    endpoints.update(make_snapshot(all_ready=True, ranks=[RankView(0, "ready")]))
-    assert get_json(endpoints.url + "/readyz") == (200, {"status": "ready", "ranks": 1})
+    assert body == {"status": "not_ready", "reason": "no rank can take requests (3 dead)",
+                    "ranks_out": {"0": "dead", "1": "dead", "2": "dead"}}
 
 
 # --- /state, /debug/waves ----------------------------------------------------------------------
@@ -374,6 +400,17 @@ def test_debug_waves(endpoints: HttpEndpoints) -> None:
     assert get_json(endpoints.url + "/debug/waves?n=-1")[0] == 400
     endpoints.update(make_snapshot(recorder_tail=[{"seq": 1, "at": None}]))
     assert get_json(endpoints.url + "/debug/waves")[1]["events"] == [{"seq": 1, "at": None}]
+
+
+def test_debug_waves_gives_each_event_its_time_of_day() -> None:
+    """`at` is monotonic, which means nothing to an operator reading logs beside it."""
+    with HttpEndpoints("127.0.0.1", 0, clock=lambda: 1000.0,
+                       wall_clock=lambda: 1_767_225_600.0) as http:  # 2026-01-01T00:00:00Z
+        tail = [{"seq": 1, "at": 997.5}, {"seq": 2, "at": 1000.0}]
+        http.update(make_snapshot(taken_at=1000.0, recorder_tail=tail))
+        events = get_json(http.url + "/debug/waves")[1]["events"]
+    assert [e["time"] for e in events] == [  # type: ignore[union-attr]
+        "2025-12-31T23:59:57.500+00:00", "2026-01-01T00:00:00.000+00:00"]
 
 
 # --- HTTP details ------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from coordinator.launch import (
     launch,
     serve_option_names,
     stop_process,
+    unknown_flags,
 )
 
 
@@ -176,6 +177,14 @@ def test_serve_options_match_the_serve_parser() -> None:
     assert serve_option_names() == {
         option for option in serve._option_string_actions if option.startswith("--")
     }
+
+
+def test_unknown_flags_are_what_serve_would_refuse() -> None:
+    args = ["--metrics-port", "9400", "--metrics-prot", "1", "--ho=h", "--h", "x",
+            "--state-file=s", "-v", "value", "--", "--after"]
+    # --h abbreviates --host, --heartbeat-s and --handshake-timeout-s; --ho only --host.
+    assert unknown_flags(args) == ["--metrics-prot", "--h"]
+    assert unknown_flags([]) == []
 
 
 def test_find_flags_sees_every_spelling_argparse_accepts() -> None:

@@ -155,6 +155,34 @@ def test_unreadable_state_file_stops_start_up_with_advice(tmp_path: Path) -> Non
     assert state.read_text() == "{not json", "a refused state file is left as it was"
 
 
+def test_a_state_file_of_another_version_is_refused_and_left_for_a_roll_back(
+    restartable: type[Restartable], zmq_ctx: Ctx
+) -> None:
+    """The upgrade path (docs/OPERATIONS.md): a coordinator whose STATE_VERSION differs
+    from the file's refuses to start, naming both, and leaves the file as it was; the
+    version that wrote it then resumes from it."""
+    coord = restartable(1)
+    handle = coord.start()
+    handshake_group(zmq_ctx, handle.addresses, [0], dp_size=1)
+    assert coord.state_file is not None
+    wait_until(lambda: json.loads(Path(coord.state_file).read_text())["leases"], timeout=5.0)
+    handle.shutdown(timeout=5.0)
+    saved = json.loads(Path(coord.state_file).read_text())
+    newer = {**saved, "version": saved["version"] + 1}
+    Path(coord.state_file).write_text(json.dumps(newer))
+    written = Path(coord.state_file).read_bytes()
+    with pytest.raises(LaunchError) as info:
+        coord.start()
+    assert "exited with code 2" in str(info.value)
+    assert (f"has version {newer['version']}, this coordinator reads version "
+            f"{saved['version']}; move it away") in str(info.value)
+    assert Path(coord.state_file).read_bytes() == written
+    Path(coord.state_file).write_text(json.dumps(saved))  # the roll back
+    handle = coord.start()
+    frontend = RawFrontend(zmq_ctx, handle.addresses)
+    assert [e[1] for e in group_state(frontend)["engines"]] == ["ready"]  # type: ignore[union-attr]
+
+
 def test_restarted_engine_takes_its_rank_back_as_soon_as_the_old_one_is_gone(
     restartable: type[Restartable], zmq_ctx: Ctx
 ) -> None:

@@ -4,15 +4,16 @@ A coordinator with a short lease TTL, a group of simulated lockstep engines and
 a frontend under steady load. The coordinator is stopped (SIGSTOP) for much
 longer than the TTL, as a debugger, a frozen VM or a long pause would stop it,
 and then continued. The engines never stopped: every rank must be ready again
-within seconds (``/readyz`` answers 200: every lease alive, none left expired),
-nothing may be reported failed or lost, every request dispatched before the
-stall completes, and each rank takes a request soon after. The time to recover
+within seconds (``/readyz`` answers 200 with no rank out: every lease alive,
+none left expired), nothing may be reported failed or lost, every request
+dispatched before the stall completes, and each rank takes a request soon after. The time to recover
 and the requests lost are printed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -73,12 +74,17 @@ def _free_port() -> int:
 
 
 def _readyz(port: int) -> int:
+    return _readiness(port)[0]
+
+
+def _readiness(port: int) -> tuple[int, object]:
+    """/readyz's status and the ranks it names as taking no requests."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2.0) as reply:
-            return int(reply.status)
+            return int(reply.status), json.loads(reply.read()).get("ranks_out")
     except urllib.error.HTTPError as exc:
         with exc:
-            return int(exc.code)
+            return int(exc.code), json.loads(exc.read()).get("ranks_out")
 
 
 @pytest.fixture
@@ -154,7 +160,7 @@ async def test_a_stall_far_longer_than_the_lease_ttl_kills_no_rank_and_loses_no_
         answered_at = time.monotonic()
         assert [e.state for e in state.engines] == ["ready"] * ENGINES, state.engines
         # Every lease alive again: none left past its TTL by the time spent stopped.
-        while await asyncio.to_thread(_readyz, port) != 200:
+        while await asyncio.to_thread(_readiness, port) != (200, {}):
             assert time.monotonic() < resumed_at + RECOVER_WITHIN_S, (
                 "/readyz still says not ready: leases left expired by the stall")
             await asyncio.sleep(0.05)

@@ -19,6 +19,7 @@ from coordinator.core.observe.recorder import WaveTotals
 from coordinator.core.persisted import STATE_VERSION, SavedLease, SavedState
 from coordinator.core.ranks.handlers import RankHandlers
 from coordinator.core.ranks.membership import EngineLease, RankState
+from coordinator.core.ranks.readiness import NOT_JUDGED, Readiness, group_serves
 from coordinator.core.ranks.span import RankSpan
 from coordinator.core.waves.handlers import WaveHandlers
 from coordinator.protocol import frontend as fp
@@ -79,6 +80,8 @@ class OperatorView:
     group: fp.GroupState
     policy: str
     prefix: PrefixView | None = None
+    readiness: Readiness = NOT_JUDGED
+    """Whether the group serves (``core.ranks.readiness``): what ``/readyz`` says."""
 
 
 class CoreViews:
@@ -230,4 +233,7 @@ class CoreViews:
             watchdog=[alert.as_dict(now) for alert in watchdog.active],
             all_ready=membership.all_ready(now=now), group=group,
             policy=self._policy, prefix=self.prefix_view(),
+            readiness=group_serves({view.rank: view.state for view in ranks},
+                                   membership.dispatchable(now=now),
+                                   gate_open=self._waves.gate.is_open),
         )
