@@ -24,6 +24,7 @@ from coordinator.cli.admin import add_admin_parsers, run_admin
 from coordinator.cli.demo import add_demo_parser, run_demo
 from coordinator.cli.keygen import add_keygen_parser, run_keygen
 from coordinator.cli.serve import add_serve_parser, run_serve
+from coordinator.cli.serve_settings import layer_serve_settings
 from coordinator.cli.status import add_status_parser, run_status
 from coordinator.cli.top import add_top_parser, run_top
 
@@ -62,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "serve":
+        # The environment and the --config file lie under the command line.
+        args, problems = layer_serve_settings(parser, argv, args)
+        args.settings_problems = problems
     run = _COMMANDS.get(args.command)
     if run is None:
         # No default command: serve needs flags, demo runs a load for a while.

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from coordinator._zmq import LOOP_CHOICES
+from coordinator.cli.serve_settings import CONFIG_ENV, ENV_PREFIX
 from coordinator.core.ranks.versions import SUPPORTED_RANGE
 from coordinator.server.http import add_observability_arguments
+
+if TYPE_CHECKING:
+    from coordinator.server.config import ServerConfig
 
 SERVE_EPILOG = """\
 sockets (keys of the address file):
@@ -35,8 +41,9 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         epilog=SERVE_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--engines", type=int, required=True, metavar="N",
-                   help="number of DP ranks (engines) in the group")
+    p.add_argument("--engines", type=int, default=None, metavar="N",
+                   help="number of DP ranks (engines) in the group (required: here, in "
+                   "the --config file or in DP_COORDINATOR_ENGINES)")
     p.add_argument("--rank-start", type=int, default=0, metavar="S",
                    help="first global DP rank managed; ranks are S..S+N-1 (default 0)")
     p.add_argument("--frontends", type=int, default=0, metavar="K",
@@ -125,8 +132,26 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
                    help="event loop (default auto: uvloop when installed)")
     p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"], help="default info")
+    p.add_argument("--log-format", default="text", choices=["text", "json"],
+                   help="text (default) or json: one object per line with time, level, "
+                   "logger, message and the event's fields")
+    add_settings_arguments(p)
     add_observability_arguments(p)
     add_curve_arguments(p)
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `serve` flags that say where the other settings come from, or check them."""
+    group = parser.add_argument_group("configuration")
+    group.add_argument("--config", default=None, metavar="FILE",
+                       help="read settings from a TOML file whose keys are these flags' "
+                       "names (ipc-dir or ipc_dir); flags given here win over "
+                       f"{ENV_PREFIX}* variables, which win over the file "
+                       f"(default: {CONFIG_ENV}, else none)")
+    group.add_argument("--check", action="store_true",
+                       help="check the settings without binding anything (files writable, "
+                       "keys readable and private, ports free, host resolvable), print "
+                       "every problem and exit 2, or print ok and exit 0")
 
 
 def add_prefix_arguments(parser: argparse.ArgumentParser) -> None:
@@ -182,15 +207,40 @@ def parse_bind_overrides(items: Sequence[str]) -> dict[str, str]:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Build the server configuration from the flags and run the coordinator."""
+    """Build the server configuration from the flags and run (or check) the coordinator."""
     # Imported here: every tool builds the parser (the vLLM drop-in too, to check a
     # flag), and only `serve` needs the server itself.
-    from coordinator.server.config import ServerConfig
-    from coordinator.server.run import configure_logging, run_server
+    from coordinator.server.logformat import configure_logging
+    from coordinator.server.preflight import check_settings
+    from coordinator.server.run import run_server
 
-    configure_logging(args.log_level)
-    config = ServerConfig(
-        engines=args.engines,
+    problems = list(getattr(args, "settings_problems", []))
+    if args.engines is None:
+        problems.append("give --engines N (or engines = N in the --config file, or "
+                        "DP_COORDINATOR_ENGINES)")
+    if args.check:
+        config = server_config(args, engines=args.engines or 1)
+        problems += check_settings(config)
+        for problem in problems:
+            print(f"dp-coordinator serve --check: {problem}", file=sys.stderr)
+        if problems:
+            return 2
+        print("ok", flush=True)
+        return 0
+    if problems:
+        for problem in problems:
+            print(f"dp-coordinator serve: error: {problem}", file=sys.stderr)
+        return 2
+    configure_logging(args.log_level, args.log_format)
+    return run_server(server_config(args, engines=args.engines))
+
+
+def server_config(args: argparse.Namespace, *, engines: int) -> ServerConfig:
+    """The server's settings from the parsed (and layered) flags."""
+    from coordinator.server.config import ServerConfig
+
+    return ServerConfig(
+        engines=engines,
         rank_start=args.rank_start,
         frontends=args.frontends,
         host=args.host,
@@ -231,4 +281,3 @@ def run_serve(args: argparse.Namespace) -> int:
         kv_block_size=args.kv_block_size,
         prefix_slack_tokens=args.prefix_slack_tokens,
     )
-    return run_server(config)

@@ -392,7 +392,10 @@ class CoordinatorCore:
         out.log(INFO, "dp_rank=%d: %s -> %s (%s)", change.rank,
                 change.old.value if change.old else "absent",
                 change.new.value if change.new else "absent", change.cause,
-                key=f"rank:{change.rank}:{change.new.value if change.new else 'absent'}")
+                key=f"rank:{change.rank}:{change.new.value if change.new else 'absent'}",
+                event="rank_state", rank=change.rank,
+                old=change.old.value if change.old else "absent",
+                new=change.new.value if change.new else "absent", cause=change.cause)
         if change.new not in (RankState.DEAD, None):
             return
         self.journal.counters["lease.dead"] += 1
@@ -409,7 +412,8 @@ class CoordinatorCore:
         if self.config.lockstep:
             out.log(ERROR, "dp_rank=%d is gone (%s): in lockstep mode the group cannot "
                     "finish a wave until it is back", change.rank, change.cause,
-                    key=f"gone:{change.rank}")
+                    key=f"gone:{change.rank}", event="rank_gone", rank=change.rank,
+                    cause=change.cause)
 
     def rank_replaced(self, rank: int, now: float, out: Outbox) -> None:
         self.kv.forget_rank(rank, "rank_replaced")
@@ -458,7 +462,8 @@ class CoordinatorCore:
                                  max_engines=config.max_engines or config.engines)
         if refusal is not None:
             self.journal.counters["refused.front_publish.scale_out_of_range"] += 1
-            out.log(WARNING, "%s", refusal, key="resize-refused")
+            out.log(WARNING, "%s", refusal, key="resize-refused", event="refused",
+                    refused="scale_elastic_ep", reason="scale_out_of_range", requested=count)
             return
         out.log(INFO, "SCALE_ELASTIC_EP: %d -> %d engines", len(span), count, key="resize")
         before = span.range
@@ -518,7 +523,8 @@ class CoordinatorCore:
             self.journal.counters["refused.admin.not_authorized"] += 1
             out.log(WARNING, "refused %s dp_rank=%d from a frontend connection that is not "
                     "an operator (see ranks.authority)", msg.command, msg.rank,
-                    key="admin:not_authorized")
+                    key="admin:not_authorized", event="refused", refused="admin",
+                    reason="not_authorized", command=msg.command, rank=msg.rank)
             out.answer(socket, identity, fp.ErrorReply(
                 msg.call_id, fp.ERR_NOT_AUTHORIZED, not_authorized_message(msg.command)))
             return
@@ -605,7 +611,9 @@ class CoordinatorCore:
                             leases=len(saved.leases), frontends=len(saved.frontends))
         out.log(INFO, "restored from %s: wave %d, %d registrations, %d frontends, gate %s",
                 event.path, saved.wave, len(saved.leases), len(saved.frontends),
-                "open" if saved.gate_open else "closed")
+                "open" if saved.gate_open else "closed", event="restored", path=event.path,
+                wave=saved.wave, registrations=len(saved.leases),
+                frontends=len(saved.frontends), gate_open=saved.gate_open)
 
     def _on_state_save_failed(self, event: StateSaveFailed, now: float, out: Outbox) -> None:
         self.journal.counters["state_file.write_errors"] += 1

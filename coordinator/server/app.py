@@ -439,9 +439,10 @@ class CoordinatorServer:
 
     def _run_log(self, action: Log) -> None:
         if action.key is None:
-            log.log(action.level, action.message, *action.args)
+            log.log(action.level, action.message, *action.args, extra=action.extra())
         else:
-            self._ratelog.log(action.level, action.key, action.message, *action.args)
+            self._ratelog.log(action.level, action.key, action.message, *action.args,
+                              extra=action.extra())
 
     def _run_save_state(self, action: SaveState) -> StateSaveFailed | None:
         path = self.config.state_file

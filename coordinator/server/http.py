@@ -36,9 +36,11 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
+from coordinator import __version__
 from coordinator.core.observe.views import RankView
 from coordinator.server.metrics import WAKE_LATENCY_BUCKETS, Published, SnapshotCollector
 from coordinator.server.observe import ObservedState
+from coordinator.server.process_metrics import register_process_metrics
 
 __all__ = ["DEFAULT_METRICS_HOST", "ENDPOINTS", "HttpEndpoints", "ObservedState", "RankView",
            "add_observability_arguments"]
@@ -96,6 +98,7 @@ class HttpEndpoints:
         self._latency_sum = 0.0
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(SnapshotCollector(lambda: self._published, clock))
+        register_process_metrics(self.registry)
         self._metrics_app = cast(WsgiApp, make_wsgi_app(self.registry))
         self._server: _ThreadingServer | None = None
         self._thread: threading.Thread | None = None
@@ -228,6 +231,7 @@ class HttpEndpoints:
             return "503 Service Unavailable", self._health()[1]
         body: dict[str, object] = dict(snap.state_json)
         ours: dict[str, object] = {
+            "version": __version__,
             "wave": snap.wave,
             "running": snap.running,
             "lockstep": snap.lockstep,
