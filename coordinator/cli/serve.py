@@ -200,8 +200,7 @@ def parse_bind_overrides(items: Sequence[str]) -> dict[str, str]:
     for item in items:
         key, sep, endpoint = item.partition("=")
         if not sep or not key or not endpoint:
-            raise SystemExit(f"dp-coordinator serve: error: --bind wants KEY=ENDPOINT, got "
-                             f"{item!r}")
+            raise ValueError(f"--bind wants KEY=ENDPOINT, got {item!r}")
         overrides[key] = endpoint
     return overrides
 
@@ -218,21 +217,26 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.engines is None:
         problems.append("give --engines N (or engines = N in the --config file, or "
                         "DP_COORDINATOR_ENGINES)")
-    if args.check:
+    try:
         config = server_config(args, engines=args.engines or 1)
-        problems += check_settings(config)
+    except ValueError as exc:
+        problems.append(str(exc))
+        config = None
+    if args.check:
+        if config is not None:
+            problems += check_settings(config)
         for problem in problems:
             print(f"dp-coordinator serve --check: {problem}", file=sys.stderr)
         if problems:
             return 2
         print("ok", flush=True)
         return 0
-    if problems:
+    if problems or config is None:
         for problem in problems:
             print(f"dp-coordinator serve: error: {problem}", file=sys.stderr)
         return 2
     configure_logging(args.log_level, args.log_format)
-    return run_server(server_config(args, engines=args.engines))
+    return run_server(config)
 
 
 def server_config(args: argparse.Namespace, *, engines: int) -> ServerConfig:
