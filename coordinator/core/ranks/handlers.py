@@ -193,7 +193,9 @@ class RankHandlers:
             out.send("handshake", event.identity, (vllm.encode_handshake_accepted(),),
                      SendPurpose.HANDSHAKE)
         out.log(INFO, "dp_rank=%d ready (engine_id=%s)", event.rank, result.lease.engine_id,
-                key=f"ready:{event.rank}")
+                key=f"ready:{event.rank}", event="rank_state", rank=event.rank,
+                old="handshaking", new="ready", cause="READY",
+                engine_id=result.lease.engine_id)
 
     # ---- dispatch greetings and connections --------------------------------------------
 
