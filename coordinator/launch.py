@@ -111,6 +111,7 @@ SERVE_OPTIONS: Final = frozenset({
     "--watchdog-stall-s", "--max-engine-message-bytes", "--max-request-bytes", "--admin-keys-dir",
     "--min-engines", "--max-engines", "--frontend-lease-ttl-s", "--frontend-wake",
     "--require-supported-vllm", "--config", "--check", "--log-format",
+    "--graceful-stop-s",
 })
 """Every long option of `dp-coordinator serve`, which argparse matches by unique prefix.
 

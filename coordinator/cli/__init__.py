@@ -7,6 +7,7 @@ Subcommands:
   top     live terminal view of ranks, loads, wave, rates and the watchdog
   keygen  write a CURVE key pair
   cordon, uncordon, drain   operator commands on one rank
+  stop    stop the coordinator (--graceful: after the requests in flight)
 
 Each subcommand is a module of this package with its parser and its run
 function (`serve`, `demo`, `status`, `top`, `keygen`, `admin`); `common` holds
@@ -20,7 +21,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from coordinator import __version__
-from coordinator.cli.admin import add_admin_parsers, run_admin
+from coordinator.cli.admin import add_admin_parsers, run_admin, run_stop
 from coordinator.cli.demo import add_demo_parser, run_demo
 from coordinator.cli.keygen import add_keygen_parser, run_keygen
 from coordinator.cli.serve import add_serve_parser, run_serve
@@ -39,6 +40,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "cordon": run_admin,
     "uncordon": run_admin,
     "drain": run_admin,
+    "stop": run_stop,
 }
 
 

@@ -28,7 +28,8 @@ sockets (keys of the address file):
 Engines identify themselves by their DP rank as two little-endian bytes; other
 identities, ranks outside the range, and live ranks claimed by another engine
 are refused at the handshake with a message saying how to fix it.
-SIGTERM or SIGINT closes the sockets, removes the ipc files and exits 0.
+SIGTERM or SIGINT closes the sockets, removes the ipc files and exits 0 (with
+--graceful-stop-s, after the requests in flight finished).
 """
 
 
@@ -128,6 +129,11 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.add_argument("--require-supported-vllm", action="store_true",
                    help="refuse engines whose greeting names a vLLM outside the supported "
                    f"range ({SUPPORTED_RANGE}); by default they are used and logged once")
+    p.add_argument("--graceful-stop-s", type=float, default=0.0, metavar="S",
+                   help="on SIGTERM/SIGINT, first refuse new submits (code shutting_down) "
+                   "and wait up to S seconds until no request is in flight, then stop and "
+                   "exit 0 (default 0: stop at once); `dp-coordinator stop --graceful` "
+                   "does the same on demand")
     p.add_argument("--loop", default="auto", choices=list(LOOP_CHOICES),
                    help="event loop (default auto: uvloop when installed)")
     p.add_argument("--log-level", default="info",
@@ -284,4 +290,5 @@ def server_config(args: argparse.Namespace, *, engines: int) -> ServerConfig:
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         kv_block_size=args.kv_block_size,
         prefix_slack_tokens=args.prefix_slack_tokens,
+        graceful_stop_s=args.graceful_stop_s,
     )

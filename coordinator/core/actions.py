@@ -176,9 +176,15 @@ REFRESH_OBSERVED = RefreshObserved()
 REFRESH_OBSERVED_NOW = RefreshObserved(force=True)
 REARM_TIMER = RearmTimer()
 
+class StopProcess(msgspec.Struct, frozen=True):
+    """An operator asked the process to stop; after a drain when ``graceful``."""
+
+    graceful: bool
+
+
 Action: TypeAlias = (
     Send | DispatchAdd | Publish | Log | SaveState | SetLinger | RefreshObserved | RearmTimer
-    | CloseConnection
+    | CloseConnection | StopProcess
     | KVSubscribe | KVUnsubscribe | KVRequestReplay
 )
 NO_ACTIONS: tuple[Action, ...] = ()

@@ -65,6 +65,7 @@ from coordinator.core.actions import (
     SendPurpose,
     SetLinger,
     SocketName,
+    StopProcess,
 )
 from coordinator.core.config import CoreConfig
 from coordinator.core.dispatch.choice import RankChoice
@@ -80,6 +81,7 @@ from coordinator.core.events import (
     FrontendRequestReceived,
     FrontendSubscribed,
     FrontendUnsubscribed,
+    GracefulStop,
     HandshakeReceived,
     KVBadMessage,
     KVBatchReceived,
@@ -201,6 +203,7 @@ class CoordinatorCore:
             Restore: self._on_restore,
             StateSaveFailed: self._on_state_save_failed,
             Shutdown: self._on_shutdown,
+            GracefulStop: self._on_graceful_stop,
             DumpRecorder: self._on_dump_recorder,
         }
 
@@ -267,6 +270,10 @@ class CoordinatorCore:
 
     def counter_values(self) -> dict[str, int]:
         return self.views.counter_values()
+
+    def requests_in_flight(self) -> int:
+        """Requests dispatched and not yet finished, failed or aborted."""
+        return len(self.dispatch.requests)
 
     def group_state(self, now: float) -> fp.GroupState:
         return self.views.group_state(now)
@@ -528,6 +535,9 @@ class CoordinatorCore:
             out.answer(socket, identity, fp.ErrorReply(
                 msg.call_id, fp.ERR_NOT_AUTHORIZED, not_authorized_message(msg.command)))
             return
+        if msg.command in fp.PROCESS_COMMANDS:
+            self._on_stop_command(socket, identity, msg, now, out)
+            return
         self.ranks.on_admin(socket, identity, msg, now, out)
 
     # ---- send outcomes ---------------------------------------------------------------------
@@ -633,6 +643,31 @@ class CoordinatorCore:
         out.add(SetLinger("frontend", SHUTDOWN_LINGER_MS))
         out.add(SetLinger("front_publish", SHUTDOWN_LINGER_MS))
         out.add(SetLinger("dispatch", DISPATCH_FLUSH_LINGER_MS))
+
+    def _on_graceful_stop(self, event: GracefulStop, now: float, out: Outbox) -> None:
+        """Planned maintenance: admission closes (``dispatch.stopping``) while what is in
+        flight finishes; the server stops the process once nothing is left."""
+        dispatch = self.dispatch
+        if dispatch.stopping or dispatch.shutting_down:
+            return
+        dispatch.stopping = True
+        self.journal.counters["shutdown.graceful"] += 1
+        self.journal.record(now, KIND_MEMBERSHIP, "graceful stop", reason=event.reason,
+                            in_flight=len(dispatch.requests))
+        out.refresh()
+        out.log(INFO, "graceful stop (%s): refusing new submits; %d requests in flight",
+                event.reason, len(dispatch.requests), event="graceful_stop",
+                reason=event.reason, in_flight=len(dispatch.requests))
+
+    def _on_stop_command(self, socket: SocketName, identity: bytes, msg: fp.Admin,
+                         now: float, out: Outbox) -> None:
+        graceful = msg.command == "graceful_stop"
+        self.journal.counters[f"admin.{msg.command}"] += 1
+        if graceful:
+            self._on_graceful_stop(GracefulStop("an operator's graceful stop"), now, out)
+        out.answer(socket, identity, fp.AdminDone(msg.call_id, msg.rank, "stopping"))
+        out.add(SetLinger(socket, SHUTDOWN_LINGER_MS))  # the answer must outlive the close
+        out.add(StopProcess(graceful))
 
     def _on_dump_recorder(self, event: DumpRecorder, now: float, out: Outbox) -> None:
         for line in self.recorder.format_lines(None, now=now):

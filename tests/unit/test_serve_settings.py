@@ -138,3 +138,29 @@ def test_parsing_again_leaves_the_parser_as_it_was(tmp_path: Path) -> None:
     argv = ["serve", "--config", write(tmp_path, "engines = 5\n")]
     layer_serve_settings(parser, argv, parser.parse_args(argv), {})
     assert parser.parse_args(["serve"]).engines is None
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_documented_config_files_are_accepted(tmp_path: Path) -> None:
+    operations = (REPO / "docs" / "OPERATIONS.md").read_text()
+    readme = (REPO / "README.md").read_text()
+    examples = [operations.split("```toml\n", 1)[1].split("```", 1)[0],
+                readme.split("<<'TOML'\n", 1)[1].split("TOML\n", 1)[0]]
+    for text in examples:
+        args, problems = layered(["serve", "--config", write(tmp_path, text)])
+        assert problems == [] and args.engines == 8 and args.log_format == "json"
+
+
+def test_every_documented_log_event_is_logged_somewhere() -> None:
+    import re
+
+    operations = (REPO / "docs" / "OPERATIONS.md").read_text()
+    table = operations.split("## Logs", 1)[1].split("\n## ", 1)[0]
+    documented = set(re.findall(r"^\| `([a-z_]+)` \|", table, flags=re.M)) - {"event"}
+    assert len(documented) >= 10
+    sources = "\n".join(path.read_text() for path in (REPO / "coordinator").rglob("*.py"))
+    logged = set(re.findall(r'event="([a-z_]+)"', sources))
+    logged |= set(re.findall(r'"event": "([a-z_]+)"', sources))
+    assert documented == logged

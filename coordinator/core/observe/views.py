@@ -164,7 +164,8 @@ class CoreViews:
             wave=wave, running=running, lockstep=self._lockstep,
             rank_start=self._span.start, rank_count=len(self._span),
             frontends=len(self._frontends.registry), in_flight=len(requests), engines=engines,
-            counters=self.counter_values(), shutting_down=self._dispatch.shutting_down,
+            counters=self.counter_values(),
+            shutting_down=self._dispatch.shutting_down or self._dispatch.stopping,
         )
 
     def saved_state(self) -> SavedState:
