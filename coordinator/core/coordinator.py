@@ -159,7 +159,7 @@ class CoordinatorCore:
         self.views = CoreViews(journal=self.journal, span=self.span, lockstep=config.lockstep,
                                policy=config.policy, ranks=self.ranks, waves=self.waves,
                                dispatch=self.dispatch, frontends=self.frontends, kv=self.kv,
-                               hot_counters=self._hot_counters)
+                               hot_counters=self._hot_counters, version=config.version)
         # Machines read often enough to deserve a short name (the stats hot path).
         self.membership = self.ranks.membership
         self.loads = choice.loads

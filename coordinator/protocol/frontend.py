@@ -195,6 +195,8 @@ class GroupState(msgspec.Struct, frozen=True):
     engines: list[EngineStatus]
     counters: dict[str, int]
     shutting_down: bool = False
+    version: str = ""
+    """The coordinator's dp-coordinator version ("" from those before it said)."""
 
 
 class Registered(_Message, tag="registered"):

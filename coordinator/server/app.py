@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import zmq
 
+from coordinator import __version__
 from coordinator.core.actions import (
     Action,
     CloseConnection,
@@ -103,6 +104,7 @@ def core_config(cfg: ServerConfig, admin_keys: frozenset[str] = frozenset()) -> 
         admin_keys=admin_keys, min_engines=cfg.min_engines, max_engines=cfg.max_engines,
         frontend_lease_ttl_s=cfg.frontend_lease_ttl_s,
         kv=cfg.kv_settings(), prefix_slack_tokens=cfg.prefix_slack_tokens,
+        version=__version__,
     )
 
 

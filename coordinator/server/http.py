@@ -36,7 +36,6 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
-from coordinator import __version__
 from coordinator.core.observe.views import RankView
 from coordinator.server.metrics import WAKE_LATENCY_BUCKETS, Published, SnapshotCollector
 from coordinator.server.observe import ObservedState
@@ -231,7 +230,6 @@ class HttpEndpoints:
             return "503 Service Unavailable", self._health()[1]
         body: dict[str, object] = dict(snap.state_json)
         ours: dict[str, object] = {
-            "version": __version__,
             "wave": snap.wave,
             "running": snap.running,
             "lockstep": snap.lockstep,
