@@ -99,7 +99,12 @@ def _typed(value: object, kind: object, key: str) -> object:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
     elif isinstance(value, str):
-        return value
+        if not callable(kind):
+            return value
+        try:
+            return kind(value)  # a flag's own parser, as on the command line
+        except (TypeError, ValueError):
+            pass
     raise ValueError(f"{key}: {value!r} is not {_kind_name(kind)}")
 
 

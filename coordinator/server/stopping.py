@@ -38,10 +38,12 @@ class StopControl:
         self.graceful_stop_s = graceful_stop_s
         self._requested: asyncio.Event | None = None
         self._graceful_request = False
+        self._request_pending = False
 
     def request(self, action: StopProcess) -> None:
         """The operator's stop (an action of the core)."""
         self._graceful_request = self._graceful_request or action.graceful
+        self._request_pending = True
         if self._requested is not None:
             self._requested.set()
 
@@ -49,6 +51,8 @@ class StopControl:
         """Return when the loop should stop serving: at ``stop`` or an operator's stop,
         after the drain when it is graceful."""
         requested = self._requested = asyncio.Event()
+        if self._request_pending:
+            requested.set()
         waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(requested.wait())]
         try:
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
