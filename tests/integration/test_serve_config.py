@@ -95,6 +95,13 @@ def test_the_config_file_sets_flags_and_the_command_line_wins(tmp_path: Path) ->
         assert state["rank_count"] == 2 and state["lockstep"] is False
         assert state["version"] == __version__
         metrics = get(f"http://127.0.0.1:{port}/metrics")
+        status = subprocess.run([sys.executable, "-m", "coordinator", "status", "--addr-file",
+                                 str(from_flag)], capture_output=True, text=True, timeout=60)
+        assert f"v{__version__}" in status.stdout, status.stderr
+        as_json = subprocess.run([sys.executable, "-m", "coordinator", "status", "--json",
+                                  "--addr-file", str(from_flag)],
+                                 capture_output=True, text=True, timeout=60)
+        assert json.loads(as_json.stdout)["version"] == __version__
     finally:
         err = stop(proc)
     assert not from_file.exists()
