@@ -63,7 +63,6 @@ class AdminRefused(RuntimeError):
 
 
 def add_admin_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    add_stop_parser(sub)
     helps = {
         "cordon": "stop sending new requests to a rank (it stays in the wave)",
         "uncordon": "let a cordoned or draining rank take requests again",
@@ -82,6 +81,7 @@ def add_admin_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
                            help="wait up to S seconds until the rank has no request in "
                            "flight; exit 1 if it still has some")
         add_curve_client_arguments(p)
+    add_stop_parser(sub)
 
 
 def add_admin_target_arguments(p: argparse.ArgumentParser) -> None:

@@ -195,8 +195,8 @@ def add_curve_arguments(parser: argparse.ArgumentParser) -> None:
                        "refused and counted")
     group.add_argument("--admin-keys-dir", default=None, metavar="DIR",
                        help="directory of operators' public keys (*.key): CURVE connections "
-                       "with these keys may run cordon/uncordon/drain on the frontend socket "
-                       "(without it, only the owner-only admin socket may)")
+                       "with these keys may run cordon/uncordon/drain/stop on the frontend "
+                       "socket (without it, only the owner-only admin socket may)")
     group.add_argument("--insecure", action="store_true",
                        help="allow binding a non-loopback TCP address without CURVE keys")
 
