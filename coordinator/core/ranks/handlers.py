@@ -316,7 +316,9 @@ class RankHandlers:
                 "life revises the death")
             if isinstance(revived, Refused):
                 self._journal.counters["lease.revival_refused"] += 1
-                out.log(WARNING, "%s", revived.message, key=f"revival-refused:{rank}")
+                out.log(WARNING, "%s", revived.message, key=f"revival-refused:{rank}",
+                        event="refused", refused="revival", reason=revived.reason.value,
+                        rank=rank)
             elif revived is not None:
                 self._journal.counters["lease.revived"] += 1
                 fanout.rank_changed(revived, now, out)
