@@ -7,6 +7,7 @@ Subcommands:
   top     live terminal view of ranks, loads, wave, rates and the watchdog
   keygen  write a CURVE key pair
   cordon, uncordon, drain   operator commands on one rank
+  stop    stop the coordinator (--graceful: after the requests in flight)
 
 Each subcommand is a module of this package with its parser and its run
 function (`serve`, `demo`, `status`, `top`, `keygen`, `admin`); `common` holds
@@ -20,10 +21,11 @@ import sys
 from collections.abc import Callable, Sequence
 
 from coordinator import __version__
-from coordinator.cli.admin import add_admin_parsers, run_admin
+from coordinator.cli.admin import add_admin_parsers, run_admin, run_stop
 from coordinator.cli.demo import add_demo_parser, run_demo
 from coordinator.cli.keygen import add_keygen_parser, run_keygen
 from coordinator.cli.serve import add_serve_parser, run_serve
+from coordinator.cli.serve_settings import layer_serve_settings
 from coordinator.cli.status import add_status_parser, run_status
 from coordinator.cli.top import add_top_parser, run_top
 
@@ -38,6 +40,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "cordon": run_admin,
     "uncordon": run_admin,
     "drain": run_admin,
+    "stop": run_stop,
 }
 
 
@@ -62,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "serve":
+        # The environment and the --config file lie under the command line.
+        args, problems = layer_serve_settings(parser, argv, args)
+        args.settings_problems = problems
     run = _COMMANDS.get(args.command)
     if run is None:
         # No default command: serve needs flags, demo runs a load for a while.

@@ -1,8 +1,10 @@
-"""`dp-coordinator cordon | uncordon | drain RANK`: operator commands on one rank.
+"""`dp-coordinator cordon | uncordon | drain RANK` and `stop`: operators' commands.
 
 cordon    the rank stays in the wave but gets no new requests
 uncordon  it takes requests again
 drain     like cordon, and (with --wait) waits until its last request finished
+stop      the coordinator stops cleanly (as on SIGTERM); with --graceful it first
+          refuses new submits and lets the requests in flight finish
 
 They are the frontend protocol's `admin` message, and they change membership, so
 the coordinator takes them only from an operator: by default they go to its
@@ -80,6 +82,29 @@ def add_admin_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
                            help="wait up to S seconds until the rank has no request in "
                            "flight; exit 1 if it still has some")
         add_curve_client_arguments(p)
+    add_stop_parser(sub)
+
+
+def add_admin_target_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--addr-file", default=None, metavar="F",
+                   help="the coordinator's address file (default: find the coordinator "
+                   "vLLM's plugin started on this host, as status and top do)")
+    p.add_argument("--timeout", type=float, default=5.0,
+                   help="seconds to wait for the coordinator's answer (default 5)")
+    add_curve_client_arguments(p)
+
+
+def add_stop_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    text = "stop the coordinator cleanly, as SIGTERM does"
+    p = sub.add_parser("stop", help=text, description=text[0].upper() + text[1:] + ".")
+    p.add_argument("--graceful", action="store_true",
+                   help="first refuse new submits (code shutting_down) and let the "
+                   "requests in flight finish, for up to the coordinator's "
+                   "--graceful-stop-s (30 s when it has none)")
+    p.add_argument("--wait", type=float, default=None, metavar="S",
+                   help="wait up to S seconds until the coordinator has exited (its "
+                   "address file is gone); exit 1 if it has not")
+    add_admin_target_arguments(p)
 
 
 def check_reachable(address: str) -> None:
@@ -111,6 +136,43 @@ def check_reachable(address: str) -> None:
         pass  # let ZeroMQ try, and time out with its own message
     finally:
         probe.close()
+
+
+def run_stop(args: argparse.Namespace) -> int:
+    command: fp.AdminCommand = "graceful_stop" if args.graceful else "stop"
+    key = "frontend" if args.curve_secret_key is not None else "admin"
+    try:
+        addr_file = args.addr_file or discover_addr_file()
+        address = read_frontend_address(addr_file, key)
+        check_reachable(address)
+        client = AdminClient(address, curve_secret_key=args.curve_secret_key,
+                             curve_server_key=args.curve_server_key)
+    except (StatusError, ValueError) as exc:
+        print(f"dp-coordinator stop: {exc}", file=sys.stderr, flush=True)
+        return EXIT_ERROR
+    try:
+        client.command(command, 0, args.timeout)
+    except AdminRefused as exc:
+        print(f"dp-coordinator stop: refused: {exc}", file=sys.stderr, flush=True)
+        return EXIT_REFUSED
+    except StatusError as exc:
+        print(f"dp-coordinator stop: {exc}", file=sys.stderr, flush=True)
+        return EXIT_ERROR
+    finally:
+        client.close()
+    print("the coordinator is stopping" + (
+        ": new submits are refused while the requests in flight finish" if args.graceful
+        else ""), flush=True)
+    if args.wait is not None:
+        deadline = time.monotonic() + args.wait
+        while os.path.exists(addr_file):
+            if time.monotonic() >= deadline:
+                print(f"the coordinator has not exited after {args.wait} s", file=sys.stderr,
+                      flush=True)
+                return EXIT_REFUSED
+            time.sleep(0.1)
+        print("the coordinator has exited", flush=True)
+    return EXIT_OK
 
 
 def run_admin(args: argparse.Namespace) -> int:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 
 from coordinator._zmq import LOOP_CHOICES
+from coordinator.cli.serve_settings import CONFIG_ENV, ENV_PREFIX
 from coordinator.core.ranks.versions import SUPPORTED_RANGE
 from coordinator.server.config import ServerConfig
 from coordinator.server.http import add_observability_arguments
@@ -26,7 +28,8 @@ sockets (keys of the address file):
 Engines identify themselves by their DP rank as two little-endian bytes; other
 identities, ranks outside the range, and live ranks claimed by another engine
 are refused at the handshake with a message saying how to fix it.
-SIGTERM or SIGINT closes the sockets, removes the ipc files and exits 0.
+SIGTERM or SIGINT closes the sockets, removes the ipc files and exits 0 (with
+--graceful-stop-s, after the requests in flight finished).
 """
 
 
@@ -39,8 +42,9 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         epilog=SERVE_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--engines", type=int, required=True, metavar="N",
-                   help="number of DP ranks (engines) in the group")
+    p.add_argument("--engines", type=int, default=None, metavar="N",
+                   help="number of DP ranks (engines) in the group (required: here, in "
+                   "the --config file or in DP_COORDINATOR_ENGINES)")
     p.add_argument("--rank-start", type=int, default=DEFAULTS.rank_start, metavar="S",
                    help="first global DP rank managed; ranks are S..S+N-1 (default 0)")
     p.add_argument("--frontends", type=int, default=DEFAULTS.frontends, metavar="K",
@@ -133,12 +137,36 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
                    help="cordon engines whose greeting names a vLLM outside the supported "
                    f"range ({SUPPORTED_RANGE}): they stay in the wave but get no requests "
                    "(uncordon overrides); by default they are used and logged once")
+    p.add_argument("--graceful-stop-s", type=float, default=DEFAULTS.graceful_stop_s,
+                   metavar="S",
+                   help="on SIGTERM/SIGINT, first refuse new submits (code shutting_down) "
+                   "and wait up to S seconds until no request is in flight, then stop and "
+                   "exit 0 (default 0: stop at once); `dp-coordinator stop --graceful` "
+                   "does the same on demand")
     p.add_argument("--loop", default=DEFAULTS.loop, choices=list(LOOP_CHOICES),
                    help="event loop (default auto: uvloop when installed)")
     p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"], help="default info")
+    p.add_argument("--log-format", default="text", choices=["text", "json"],
+                   help="text (default) or json: one object per line with time, level, "
+                   "logger, message and the event's fields")
+    add_settings_arguments(p)
     add_observability_arguments(p)
     add_curve_arguments(p)
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `serve` flags that say where the other settings come from, or check them."""
+    group = parser.add_argument_group("configuration")
+    group.add_argument("--config", default=None, metavar="FILE",
+                       help="read settings from a TOML file whose keys are these flags' "
+                       "names (ipc-dir or ipc_dir); flags given here win over "
+                       f"{ENV_PREFIX}* variables, which win over the file "
+                       f"(default: {CONFIG_ENV}, else none)")
+    group.add_argument("--check", action="store_true",
+                       help="check the settings without binding anything (files writable, "
+                       "keys readable and private, ports free, host resolvable), print "
+                       "every problem and exit 2, or print ok and exit 0")
 
 
 def add_prefix_arguments(parser: argparse.ArgumentParser) -> None:
@@ -177,8 +205,8 @@ def add_curve_arguments(parser: argparse.ArgumentParser) -> None:
                        "refused and counted")
     group.add_argument("--admin-keys-dir", default=None, metavar="DIR",
                        help="directory of operators' public keys (*.key): CURVE connections "
-                       "with these keys may run cordon/uncordon/drain on the frontend socket "
-                       "(without it, only the owner-only admin socket may)")
+                       "with these keys may run cordon/uncordon/drain/stop on the frontend "
+                       "socket (without it, only the owner-only admin socket may)")
     group.add_argument("--insecure", action="store_true",
                        help="allow binding a non-loopback TCP address without CURVE keys")
 
@@ -188,22 +216,49 @@ def parse_bind_overrides(items: Sequence[str]) -> dict[str, str]:
     for item in items:
         key, sep, endpoint = item.partition("=")
         if not sep or not key or not endpoint:
-            raise SystemExit(f"dp-coordinator serve: error: --bind wants KEY=ENDPOINT, got "
-                             f"{item!r}")
+            raise ValueError(f"--bind wants KEY=ENDPOINT, got {item!r}")
         overrides[key] = endpoint
     return overrides
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Build the server configuration from the flags and run the coordinator."""
+    """Build the server configuration from the flags and run (or check) the coordinator."""
     # Imported here: every tool builds the parser (the vLLM drop-in too, to check a
     # flag), and only `serve` needs the server itself.
-    from coordinator.server.config import ServerConfig
-    from coordinator.server.run import configure_logging, run_server
+    from coordinator.server.logformat import configure_logging
+    from coordinator.server.preflight import check_settings
+    from coordinator.server.run import run_server
 
-    configure_logging(args.log_level)
-    config = ServerConfig(
-        engines=args.engines,
+    problems = list(getattr(args, "settings_problems", []))
+    if args.engines is None:
+        problems.append("give --engines N (or engines = N in the --config file, or "
+                        "DP_COORDINATOR_ENGINES)")
+    try:
+        config = server_config(args, engines=args.engines or 1)
+    except ValueError as exc:
+        problems.append(str(exc))
+        config = None
+    if args.check:
+        if config is not None:
+            problems += check_settings(config)
+        for problem in problems:
+            print(f"dp-coordinator serve --check: {problem}", file=sys.stderr)
+        if problems:
+            return 2
+        print("ok", flush=True)
+        return 0
+    if problems or config is None:
+        for problem in problems:
+            print(f"dp-coordinator serve: error: {problem}", file=sys.stderr)
+        return 2
+    configure_logging(args.log_level, args.log_format)
+    return run_server(config)
+
+
+def server_config(args: argparse.Namespace, *, engines: int) -> ServerConfig:
+    """The server's settings from the parsed (and layered) flags."""
+    return ServerConfig(
+        engines=engines,
         rank_start=args.rank_start,
         frontends=args.frontends,
         host=args.host,
@@ -243,5 +298,5 @@ def run_serve(args: argparse.Namespace) -> int:
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         kv_block_size=args.kv_block_size,
         prefix_slack_tokens=args.prefix_slack_tokens,
+        graceful_stop_s=args.graceful_stop_s,
     )
-    return run_server(config)

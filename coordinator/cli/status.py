@@ -74,6 +74,8 @@ def state_tables(state: fp.GroupState) -> Group:
         f"   {mode}   ranks {state.rank_start}..{state.rank_start + state.rank_count - 1}"
         f"   frontends {state.frontends}   in flight {state.in_flight}",
     )
+    if state.version:
+        header.append(f"   v{state.version}", style="dim")
     if state.shutting_down:
         header.append("   SHUTTING DOWN", style="bold red")
     # No box: two spaces between columns is what lets the widest values fit 80

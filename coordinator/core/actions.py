@@ -93,13 +93,23 @@ class Log(msgspec.Struct, frozen=True):
     """Write ``message % args`` to the coordinator's log at ``level`` (a logging level).
 
     With a ``key``, at most one line per key per interval is written, and the next
-    one says how many were suppressed.
+    one says how many were suppressed. With an ``event``, the line is also a
+    structured event: its stable name and ``fields`` ride with it (the JSON log
+    format writes them as the object's keys).
     """
 
     level: int
     message: str
     args: tuple[object, ...] = ()
     key: str | None = None
+    event: str | None = None
+    fields: dict[str, object] | None = None
+
+    def extra(self) -> dict[str, object] | None:
+        """The ``extra=`` of the logging call: the event's name and fields."""
+        if self.event is None:
+            return None
+        return {"event": self.event, **(self.fields or {})}
 
 
 class SaveState(msgspec.Struct, frozen=True):
@@ -166,9 +176,15 @@ REFRESH_OBSERVED = RefreshObserved()
 REFRESH_OBSERVED_NOW = RefreshObserved(force=True)
 REARM_TIMER = RearmTimer()
 
+class StopProcess(msgspec.Struct, frozen=True):
+    """An operator asked the process to stop; after a drain when ``graceful``."""
+
+    graceful: bool
+
+
 Action: TypeAlias = (
     Send | DispatchAdd | Publish | Log | SaveState | SetLinger | RefreshObserved | RearmTimer
-    | CloseConnection
+    | CloseConnection | StopProcess
     | KVSubscribe | KVUnsubscribe | KVRequestReplay
 )
 NO_ACTIONS: tuple[Action, ...] = ()

@@ -56,3 +56,5 @@ class CoreConfig:
     """Follow the engines' KV cache events (None: do not)."""
     prefix_slack_tokens: float = 256.0
     """The prefix policy's load/cache trade-off (``RoutingConfig.slack_tokens``)."""
+    version: str = ""
+    """The running dp-coordinator's version, for the ``state`` reply."""

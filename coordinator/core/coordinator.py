@@ -65,6 +65,7 @@ from coordinator.core.actions import (
     SendPurpose,
     SetLinger,
     SocketName,
+    StopProcess,
 )
 from coordinator.core.config import CoreConfig
 from coordinator.core.dispatch.choice import RankChoice
@@ -80,6 +81,7 @@ from coordinator.core.events import (
     FrontendRequestReceived,
     FrontendSubscribed,
     FrontendUnsubscribed,
+    GracefulStop,
     HandshakeReceived,
     KVBadMessage,
     KVBatchReceived,
@@ -157,7 +159,7 @@ class CoordinatorCore:
         self.views = CoreViews(journal=self.journal, span=self.span, lockstep=config.lockstep,
                                policy=config.policy, ranks=self.ranks, waves=self.waves,
                                dispatch=self.dispatch, frontends=self.frontends, kv=self.kv,
-                               hot_counters=self._hot_counters)
+                               hot_counters=self._hot_counters, version=config.version)
         # Machines read often enough to deserve a short name (the stats hot path).
         self.membership = self.ranks.membership
         self.loads = choice.loads
@@ -201,6 +203,7 @@ class CoordinatorCore:
             Restore: self._on_restore,
             StateSaveFailed: self._on_state_save_failed,
             Shutdown: self._on_shutdown,
+            GracefulStop: self._on_graceful_stop,
             DumpRecorder: self._on_dump_recorder,
         }
 
@@ -267,6 +270,10 @@ class CoordinatorCore:
 
     def counter_values(self) -> dict[str, int]:
         return self.views.counter_values()
+
+    def requests_in_flight(self) -> int:
+        """Requests dispatched and not yet finished, failed or aborted."""
+        return len(self.dispatch.requests)
 
     def group_state(self, now: float) -> fp.GroupState:
         return self.views.group_state(now)
@@ -395,7 +402,10 @@ class CoordinatorCore:
         out.log(INFO, "dp_rank=%d: %s -> %s (%s)", change.rank,
                 change.old.value if change.old else "absent",
                 change.new.value if change.new else "absent", change.cause,
-                key=f"rank:{change.rank}:{change.new.value if change.new else 'absent'}")
+                key=f"rank:{change.rank}:{change.new.value if change.new else 'absent'}",
+                event="rank_state", rank=change.rank,
+                old=change.old.value if change.old else "absent",
+                new=change.new.value if change.new else "absent", cause=change.cause)
         if change.new not in (RankState.DEAD, None):
             return
         self.journal.counters["lease.dead"] += 1
@@ -416,7 +426,8 @@ class CoordinatorCore:
         if self.config.lockstep:
             out.log(ERROR, "dp_rank=%d is gone (%s): in lockstep mode the group cannot "
                     "finish a wave until it is back", change.rank, change.cause,
-                    key=f"gone:{change.rank}")
+                    key=f"gone:{change.rank}", event="rank_gone", rank=change.rank,
+                    cause=change.cause)
 
     def rank_replaced(self, rank: int, now: float, out: Outbox) -> None:
         self.kv.forget_rank(rank, "rank_replaced")
@@ -465,7 +476,8 @@ class CoordinatorCore:
                                  max_engines=config.max_engines or config.engines)
         if refusal is not None:
             self.journal.counters["refused.front_publish.scale_out_of_range"] += 1
-            out.log(WARNING, "%s", refusal, key="resize-refused")
+            out.log(WARNING, "%s", refusal, key="resize-refused", event="refused",
+                    refused="scale_elastic_ep", reason="scale_out_of_range", requested=count)
             return
         out.log(INFO, "SCALE_ELASTIC_EP: %d -> %d engines", len(span), count, key="resize")
         before = span.range
@@ -525,9 +537,13 @@ class CoordinatorCore:
             self.journal.counters["refused.admin.not_authorized"] += 1
             out.log(WARNING, "refused %s dp_rank=%d from a frontend connection that is not "
                     "an operator (see ranks.authority)", msg.command, msg.rank,
-                    key="admin:not_authorized")
+                    key="admin:not_authorized", event="refused", refused="admin",
+                    reason="not_authorized", command=msg.command, rank=msg.rank)
             out.answer(socket, identity, fp.ErrorReply(
                 msg.call_id, fp.ERR_NOT_AUTHORIZED, not_authorized_message(msg.command)))
+            return
+        if msg.command in fp.PROCESS_COMMANDS:
+            self._on_stop_command(socket, identity, msg, now, out)
             return
         self.ranks.on_admin(socket, identity, msg, now, out)
 
@@ -612,7 +628,9 @@ class CoordinatorCore:
                             leases=len(saved.leases), frontends=len(saved.frontends))
         out.log(INFO, "restored from %s: wave %d, %d registrations, %d frontends, gate %s",
                 event.path, saved.wave, len(saved.leases), len(saved.frontends),
-                "open" if saved.gate_open else "closed")
+                "open" if saved.gate_open else "closed", event="restored", path=event.path,
+                wave=saved.wave, registrations=len(saved.leases),
+                frontends=len(saved.frontends), gate_open=saved.gate_open)
 
     def _on_state_save_failed(self, event: StateSaveFailed, now: float, out: Outbox) -> None:
         self.journal.counters["state_file.write_errors"] += 1
@@ -632,6 +650,31 @@ class CoordinatorCore:
         out.add(SetLinger("frontend", SHUTDOWN_LINGER_MS))
         out.add(SetLinger("front_publish", SHUTDOWN_LINGER_MS))
         out.add(SetLinger("dispatch", DISPATCH_FLUSH_LINGER_MS))
+
+    def _on_graceful_stop(self, event: GracefulStop, now: float, out: Outbox) -> None:
+        """Planned maintenance: admission closes (``dispatch.stopping``) while what is in
+        flight finishes; the server stops the process once nothing is left."""
+        dispatch = self.dispatch
+        if dispatch.stopping or dispatch.shutting_down:
+            return
+        dispatch.stopping = True
+        self.journal.counters["shutdown.graceful"] += 1
+        self.journal.record(now, KIND_MEMBERSHIP, "graceful stop", reason=event.reason,
+                            in_flight=len(dispatch.requests))
+        out.refresh()
+        out.log(INFO, "graceful stop (%s): refusing new submits; %d requests in flight",
+                event.reason, len(dispatch.requests), event="graceful_stop",
+                reason=event.reason, in_flight=len(dispatch.requests))
+
+    def _on_stop_command(self, socket: SocketName, identity: bytes, msg: fp.Admin,
+                         now: float, out: Outbox) -> None:
+        graceful = msg.command == "graceful_stop"
+        self.journal.counters[f"admin.{msg.command}"] += 1
+        if graceful:
+            self._on_graceful_stop(GracefulStop("an operator's graceful stop"), now, out)
+        out.answer(socket, identity, fp.AdminDone(msg.call_id, msg.rank, "stopping"))
+        out.add(SetLinger(socket, SHUTDOWN_LINGER_MS))  # the answer must outlive the close
+        out.add(StopProcess(graceful))
 
     def _on_dump_recorder(self, event: DumpRecorder, now: float, out: Outbox) -> None:
         for line in self.recorder.format_lines(None, now=now):

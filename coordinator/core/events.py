@@ -251,6 +251,13 @@ class Shutdown(msgspec.Struct, frozen=True):
     reason: str
 
 
+class GracefulStop(msgspec.Struct, frozen=True):
+    """Planned maintenance: refuse new submits and routes; those in flight finish, and
+    the process stops once none is left (or its deadline passes)."""
+
+    reason: str
+
+
 class DumpRecorder(msgspec.Struct, frozen=True, gc=False):
     """The operator asked for the whole flight recorder in the log (SIGUSR1)."""
 
@@ -286,6 +293,7 @@ Event: TypeAlias = (
     | KVReplayUnsent
     | ServerCounters
     | BadFrame
+    | GracefulStop
     | SendFailed
     | SendSucceeded
     | Tick

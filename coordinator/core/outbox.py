@@ -60,8 +60,10 @@ class Outbox:
         for identity in identities:
             self.actions.append(Send("frontend", identity, notice, SendPurpose.NOTICE))
 
-    def log(self, level: int, message: str, *args: Any, key: str | None = None) -> None:
-        self.actions.append(Log(level, message, args, key))
+    def log(self, level: int, message: str, *args: Any, key: str | None = None,
+            event: str | None = None, **fields: object) -> None:
+        """A log line; with ``event``, a structured event with ``fields`` as well."""
+        self.actions.append(Log(level, message, args, key, event, fields or None))
 
     def send_failed(self, socket: SocketName, identity: bytes) -> None:
         # Keyed by socket only: peers choose their identities, and a key per identity

@@ -35,7 +35,9 @@ Wave = Annotated[int, msgspec.Meta(ge=0, le=MAX_WAVE)]
 ClientIndex = Annotated[int, msgspec.Meta(ge=0, le=MAX_CLIENT_INDEX)]
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
 Address = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
-AdminCommand = Literal["cordon", "uncordon", "drain"]
+AdminCommand = Literal["cordon", "uncordon", "drain", "stop", "graceful_stop"]
+#: Admin commands on the whole process, not on one rank (their ``rank`` is ignored).
+PROCESS_COMMANDS: Final = ("stop", "graceful_stop")
 Text = Annotated[str, msgspec.Meta(max_length=4096)]
 
 MAX_ABORT_IDS = 4096
@@ -136,7 +138,9 @@ class QueryState(_Message, tag="state"):
 
 
 class Admin(_Message, tag="admin"):
-    """Operator command on one rank: cordon, uncordon or drain."""
+    """Operator command on one rank (cordon, uncordon or drain), or on the process:
+    stop, or graceful_stop (refuse new submits, let those in flight finish, then
+    stop); those two ignore ``rank``."""
 
     call_id: CallId
     command: AdminCommand
@@ -191,6 +195,8 @@ class GroupState(msgspec.Struct, frozen=True):
     engines: list[EngineStatus]
     counters: dict[str, int]
     shutting_down: bool = False
+    version: str = ""
+    """The coordinator's dp-coordinator version ("" from those before it said)."""
 
 
 class Registered(_Message, tag="registered"):

@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import zmq
 
+from coordinator import __version__
 from coordinator.core.actions import (
     Action,
     CloseConnection,
@@ -41,6 +42,7 @@ from coordinator.core.actions import (
     SaveState,
     Send,
     SetLinger,
+    StopProcess,
 )
 from coordinator.core.coordinator import CoordinatorCore, CoreConfig
 from coordinator.core.events import (
@@ -69,6 +71,7 @@ from coordinator.server.sending import poke_if_readable, send_add, send_frames, 
 from coordinator.server.sockets import bind_admin, binds_tcp, socket_specs
 from coordinator.server.statefile import check_writable, load_state, save_state
 from coordinator.server.stats_reader import StatsReader
+from coordinator.server.stopping import StopControl
 from coordinator.server.timers import CoreTimer
 from coordinator.server.transport import (
     FrameHandler,
@@ -101,6 +104,7 @@ def core_config(cfg: ServerConfig, admin_keys: frozenset[str] = frozenset()) -> 
         admin_keys=admin_keys, min_engines=cfg.min_engines, max_engines=cfg.max_engines,
         frontend_lease_ttl_s=cfg.frontend_lease_ttl_s,
         kv=cfg.kv_settings(), prefix_slack_tokens=cfg.prefix_slack_tokens,
+        version=__version__,
     )
 
 
@@ -142,6 +146,8 @@ class CoordinatorServer:
                                 on_error=self._handler_failed, pokes=self._reader_pokes,
                                 server_counters=self._own_counters)
         self._serving = False
+        self.stopping = StopControl(self._feed, self.core.requests_in_flight, clock,
+                                    graceful_stop_s=config.graceful_stop_s)
         self._sent_on: set[str] = set()
         """Sockets sent on by the actions being carried out; their readers are poked after."""
         self._runner = ActionRunner(self.core, {
@@ -154,6 +160,7 @@ class CoordinatorServer:
             RefreshObserved: self._run_refresh,
             RearmTimer: self._run_rearm,
             CloseConnection: self._run_close_connection,
+            StopProcess: self.stopping.request,
             **kv_action_runners(lambda: self.kv_plane),
         }, clock)
         # One handler per socket: frames in, actions carried out.
@@ -337,7 +344,7 @@ class CoordinatorServer:
         tasks.append(asyncio.ensure_future(self._timer.run()))
         if self.kv_plane is not None:
             tasks.append(asyncio.ensure_future(self.kv_plane.run()))
-        stopper = asyncio.ensure_future(stop.wait())
+        stopper = asyncio.ensure_future(self.stopping.until_stopped(stop))
         try:
             done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
             for task in done:
@@ -440,9 +447,10 @@ class CoordinatorServer:
 
     def _run_log(self, action: Log) -> None:
         if action.key is None:
-            log.log(action.level, action.message, *action.args)
+            log.log(action.level, action.message, *action.args, extra=action.extra())
         else:
-            self._ratelog.log(action.level, action.key, action.message, *action.args)
+            self._ratelog.log(action.level, action.key, action.message, *action.args,
+                              extra=action.extra())
 
     def _run_save_state(self, action: SaveState) -> StateSaveFailed | None:
         path = self.config.state_file

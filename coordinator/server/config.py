@@ -109,6 +109,9 @@ class ServerConfig:
     """Tokens per KV cache block (default: what the engines say)."""
     prefix_slack_tokens: float = _D.prefix_slack_tokens
     """The prefix policy's load/cache trade-off, in tokens of extra load."""
+    graceful_stop_s: float = 0.0
+    """SIGTERM/SIGINT first refuse new submits and wait this long for those in flight
+    (0: stop at once)."""
 
     def kv_settings(self) -> KVSettings | None:
         """What to follow of the engines' KV events: all of it for the prefix policy, the
@@ -195,6 +198,9 @@ class ServerConfig:
                              "--curve-clients-dir): admin keys are CURVE client keys")
         if self.recorder_size < 1:
             raise ValueError(f"--recorder-size must be >= 1, got {self.recorder_size}")
+        if not 0 <= self.graceful_stop_s <= 86400:
+            raise ValueError(f"--graceful-stop-s must be between 0 and 86400, got "
+                             f"{self.graceful_stop_s}")
         if self.watchdog_stall_s < 0:
             raise ValueError(f"--watchdog-stall-s must be >= 0, got {self.watchdog_stall_s}")
         self._validate_kv()

@@ -75,6 +75,8 @@ class _KeyCheck:
             logging.WARNING, "curve:unknown_key",
             "refused a CURVE client with public key %s: it is not in the allowed client key "
             "directory", key.decode("ascii", "replace"),
+            extra={"event": "refused", "refused": "curve_client", "reason": REFUSED_UNKNOWN_KEY,
+                   "public_key": key.decode("ascii", "replace")},
         )
         return False
 

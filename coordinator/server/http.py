@@ -43,6 +43,7 @@ from coordinator.core.config import CoreConfig
 from coordinator.core.observe.views import RankView
 from coordinator.server.metrics import WAKE_LATENCY_BUCKETS, Published, SnapshotCollector
 from coordinator.server.observe import ObservedState
+from coordinator.server.process_metrics import register_process_metrics
 
 __all__ = ["DEFAULT_METRICS_HOST", "ENDPOINTS", "HttpEndpoints", "ObservedState", "RankView",
            "add_observability_arguments"]
@@ -102,6 +103,7 @@ class HttpEndpoints:
         self._latency_sum = 0.0
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(SnapshotCollector(lambda: self._published, clock))
+        register_process_metrics(self.registry)
         self._metrics_app = cast(WsgiApp, make_wsgi_app(self.registry))
         self._server: _ThreadingServer | None = None
         self._thread: threading.Thread | None = None

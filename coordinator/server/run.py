@@ -6,10 +6,10 @@ import asyncio
 import json
 import logging
 import signal
-import sys
 
 import zmq
 
+from coordinator import __version__
 from coordinator._zmq import run_loop
 from coordinator.server.app import AddressFileError, CoordinatorServer
 from coordinator.server.config import ServerConfig
@@ -25,14 +25,6 @@ STOP_SIGNALS = HANDLED
 EXIT_OK = 0
 EXIT_FATAL = 1
 EXIT_CONFIG = 2
-
-
-def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
 
 
 async def serve_until_signal(server: CoordinatorServer, signals: ProcessSignals) -> int:
@@ -88,12 +80,16 @@ def run_server(config: ServerConfig, *, print_addresses: bool = True) -> int:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
         return EXIT_CONFIG
     log.info(
-        "coordinator up: %d engines (ranks %d..%d), %s mode, frontends expected: %d",
+        "coordinator up: %d engines (ranks %d..%d), %s mode, frontends expected: %d, "
+        "version %s",
         config.engines,
         config.rank_start,
         config.rank_start + config.engines - 1,
         "lockstep" if config.lockstep else "dense",
         config.frontends,
+        __version__,
+        extra={"event": "started", "version": __version__, "engines": config.engines,
+               "rank_start": config.rank_start, "addresses": addresses},
     )
     for key, address in addresses.items():
         log.info("  %-13s %s", key, address)
@@ -108,4 +104,4 @@ def run_server(config: ServerConfig, *, print_addresses: bool = True) -> int:
     finally:
         log.info("closing the sockets and removing the address file and ipc sockets")
         server.close()
-        log.info("coordinator stopped")
+        log.info("coordinator stopped", extra={"event": "stopped"})

@@ -281,7 +281,8 @@ class RateLimitedLog:
     max_keys: int = 4096
 
     def log(self, level: int, key: str, message: str, *args: object,
-            exc_info: BaseException | None = None) -> None:
+            exc_info: BaseException | None = None,
+            extra: dict[str, object] | None = None) -> None:
         now = self.clock()
         last = self._last.get(key)
         if last is not None and now - last < self.interval_s:
@@ -296,4 +297,6 @@ class RateLimitedLog:
         if suppressed:
             message += " (%d similar messages suppressed)"
             args = (*args, suppressed)
-        self.logger.log(level, message, *args, exc_info=exc_info)
+        if extra is not None and suppressed:
+            extra = {**extra, "suppressed": suppressed}
+        self.logger.log(level, message, *args, exc_info=exc_info, extra=extra)

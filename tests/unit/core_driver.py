@@ -31,6 +31,7 @@ from coordinator.core.actions import (
     SaveState,
     Send,
     SetLinger,
+    StopProcess,
 )
 from coordinator.core.coordinator import CoordinatorCore, CoreConfig
 from coordinator.core.events import (
@@ -87,6 +88,7 @@ class Driver:
     sends: list[tuple[str, bytes, list[bytes]]] = field(default_factory=list)
     publishes: list[tuple[str, list[bytes]]] = field(default_factory=list)
     logs: list[Log] = field(default_factory=list)
+    stops: list[StopProcess] = field(default_factory=list)
     saves: list[SavedState] = field(default_factory=list)
     lingers: dict[str, int] = field(default_factory=dict)
     rearms: int = 0
@@ -135,6 +137,7 @@ class Driver:
             RefreshObserved: lambda a: self._count("refreshes"),
             RearmTimer: lambda a: self._count("rearms"),
             CloseConnection: lambda a: self.cut.append((a.socket, a.conn)),
+            StopProcess: record(self.stops),
             KVSubscribe: self._kv_action, KVUnsubscribe: self._kv_action,
             KVRequestReplay: self._kv_action,
         }

@@ -19,6 +19,7 @@ from coordinator.core.events import (
     FRONTEND_UNSUBSCRIBED,
     BadFrame,
     FrontendRequestReceived,
+    GracefulStop,
     HandshakeReceived,
     Restore,
     ServerCounters,
@@ -100,6 +101,56 @@ def test_shutting_down_refuses_submits_and_says_goodbye() -> None:
     before = len(driver.sends)
     driver.feed(Shutdown("again"))  # only once
     assert len(driver.sends) == before
+
+
+def test_a_graceful_stop_closes_admission_and_lets_requests_finish() -> None:
+    driver = group()
+    first = driver.submit("before")
+    assert isinstance(first, fp.Submitted)
+    driver.feed(GracefulStop("maintenance"))
+    late = driver.submit("late")
+    assert isinstance(late, fp.ErrorReply) and late.code == fp.ERR_SHUTTING_DOWN
+    assert "graceful stop" in late.message and late.request_id == "late"
+    assert driver.adds(0) + driver.adds(1) == [[b"payload:before"]]
+    assert driver.core.group_state(driver.now).shutting_down
+    # What is in flight still finishes, and frontends are not told goodbye yet.
+    assert driver.core.requests_in_flight() == 1
+    driver.request(F0, fp.Finished(["before"]))
+    assert driver.core.requests_in_flight() == 0
+    assert not any(isinstance(r, fp.ShuttingDown) for r in driver.replies(F0))
+    counters = driver.core.counter_values()
+    assert counters["shutdown.graceful"] == 1 and counters["submit.refused.shutting_down"] == 1
+    (logged,) = [log for log in driver.logs if log.event == "graceful_stop"]
+    assert logged.fields == {"reason": "maintenance", "in_flight": 1}
+    driver.feed(GracefulStop("again"))  # once
+    assert driver.core.counter_values()["shutdown.graceful"] == 1
+    # The shutdown that follows still says goodbye.
+    driver.feed(Shutdown("stopping"))
+    assert fp.ShuttingDown("stopping") in driver.replies(F0)
+
+
+@pytest.mark.parametrize(("command", "graceful"), [("stop", False), ("graceful_stop", True)])
+def test_an_operators_stop_asks_the_server_to_stop(command: fp.AdminCommand,
+                                                   graceful: bool) -> None:
+    driver = group()
+    (done,) = driver.operator(fp.Admin(driver.call_id(), command, 0))
+    assert isinstance(done, fp.AdminDone) and done.state == "stopping"
+    assert [stop.graceful for stop in driver.stops] == [graceful]
+    assert driver.lingers["admin"] == 500  # the answer outlives the close
+    # A graceful stop closes admission at once; a plain one leaves that to the shutdown.
+    reply = driver.submit("next")
+    if graceful:
+        assert error_code(reply) == fp.ERR_SHUTTING_DOWN
+    else:
+        assert isinstance(reply, fp.Submitted)
+    assert driver.core.dispatch.stopping is graceful
+
+
+def test_a_frontend_that_is_not_an_operator_cannot_stop_the_coordinator() -> None:
+    driver = group()
+    (reply,) = driver.request(F0, fp.Admin(driver.call_id(), "graceful_stop", 0))
+    assert error_code(reply) == fp.ERR_NOT_AUTHORIZED
+    assert driver.stops == [] and not driver.core.dispatch.stopping
 
 
 @pytest.mark.parametrize(

@@ -205,5 +205,31 @@ def test_group_state_to_builtins_names_every_engine_field() -> None:
     assert {k: v for k, v in data.items() if k != "engines"} == {
         "wave": 3, "running": True, "lockstep": True, "rank_start": 4, "rank_count": 2,
         "frontends": 1, "in_flight": 5, "counters": {"submit.dispatched": 9},
-        "shutting_down": False,
+        "shutting_down": False, "version": "",
     }
+
+
+def test_the_state_reply_with_a_version_decodes_where_it_had_none() -> None:
+    """``version`` came after the other keys: old and new decoders read both replies."""
+    old_decoder = msgspec.msgpack.Decoder(OldGroupState)
+    new = fp.GroupState(wave=1, running=False, lockstep=True, rank_start=0, rank_count=1,
+                        frontends=0, in_flight=0, engines=[], counters={}, version="9.9")
+    assert old_decoder.decode(msgspec.msgpack.encode(new)).wave == 1
+    old = OldGroupState(wave=1, running=False, lockstep=True, rank_start=0, rank_count=1,
+                        frontends=0, in_flight=0, engines=[], counters={})
+    decoded = msgspec.msgpack.Decoder(fp.GroupState).decode(msgspec.msgpack.encode(old))
+    assert decoded.version == "" and decoded.shutting_down is False
+
+
+class OldGroupState(msgspec.Struct, frozen=True):
+    """The state reply's map as decoders before ``version`` (and ``shutting_down``) saw it."""
+
+    wave: int
+    running: bool
+    lockstep: bool
+    rank_start: int
+    rank_count: int
+    frontends: int
+    in_flight: int
+    engines: list[fp.EngineStatus]
+    counters: dict[str, int]

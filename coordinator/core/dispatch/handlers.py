@@ -29,6 +29,8 @@ from coordinator.core.config import CoreConfig
 from coordinator.core.dispatch.choice import RankChoice
 from coordinator.core.dispatch.ledger import (
     NO_READY_ENGINE,
+    SHUTTING_DOWN,
+    STOPPING,
     Refusal,
     RequestLedger,
     dispatch_refusal,
@@ -80,6 +82,8 @@ class DispatchHandlers:
         self.dispatched = 0
         """ADDs sent (a hot counter, merged into the views as ``submit.dispatched``)."""
         self.shutting_down = False
+        self.stopping = False
+        """A graceful stop: no new submits or routes; requests in flight finish."""
         # Requests failed when a rank died, by rank: (incarnation, ids), aborted on the
         # engine if that incarnation comes back (its outputs would follow a failure).
         self._failed_at_death: dict[int, tuple[int, list[str]]] = {}
@@ -88,7 +92,8 @@ class DispatchHandlers:
 
     def on_submit(self, identity: bytes, msg: fp.Submit, payload: list[bytes], now: float,
                   out: Outbox) -> None:
-        refusal = self.requests.refusal(msg.request_id, shutting_down=self.shutting_down)
+        refusal = STOPPING if self.stopping and not self.shutting_down else (
+            self.requests.refusal(msg.request_id, shutting_down=self.shutting_down))
         if refusal is not None:
             self._refuse(identity, msg.call_id, msg.request_id, refusal, out)
             return
@@ -259,9 +264,9 @@ class DispatchHandlers:
         is counted on the rank exactly like a dispatch.
         """
         counters = self._journal.counters
-        if self.shutting_down:
-            out.reply(identity, fp.ErrorReply(msg.call_id, fp.ERR_SHUTTING_DOWN,
-                                              "the coordinator is shutting down",
+        if self.shutting_down or self.stopping:
+            refused = STOPPING if not self.shutting_down else SHUTTING_DOWN
+            out.reply(identity, fp.ErrorReply(msg.call_id, refused.code, refused.message,
                                               msg.request_id))
             return
         span = self._span.range

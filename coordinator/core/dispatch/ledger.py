@@ -66,6 +66,9 @@ class Refusal:
 
 
 SHUTTING_DOWN = Refusal(fp.ERR_SHUTTING_DOWN, "the coordinator is shutting down")
+STOPPING = Refusal(fp.ERR_SHUTTING_DOWN, "the coordinator is stopping (a graceful stop): "
+                   "it takes no new requests while those in flight finish; send this one "
+                   "elsewhere or again once it is back")
 NO_READY_ENGINE = Refusal(fp.ERR_NO_READY_ENGINE, "no engine is ready to take requests")
 
 

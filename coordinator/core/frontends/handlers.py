@@ -168,6 +168,7 @@ class FrontendHandlers:
             out.log(WARNING, "frontend client_index=%d: no message or heartbeat for %g s; "
                     "its registration expired (%d requests in flight from it forgotten)",
                     peer.client_index, registry.lease_ttl_s, len(forgotten),
-                    key=f"expired:{peer.client_index}")
+                    key=f"expired:{peer.client_index}", event="frontend_expired",
+                    client_index=peer.client_index, forgotten=len(forgotten))
             ranks.update(entry.rank for entry in forgotten)
         return ranks

@@ -90,8 +90,9 @@ class CoreViews:
     def __init__(self, *, journal: Journal, span: RankSpan, lockstep: bool, policy: str,
                  ranks: RankHandlers, waves: WaveHandlers, dispatch: DispatchHandlers,
                  frontends: FrontendHandlers, kv: KVHandlers,
-                 hot_counters: Callable[[], Mapping[str, int]]) -> None:
+                 hot_counters: Callable[[], Mapping[str, int]], version: str = "") -> None:
         self._journal = journal
+        self._version = version
         self._span = span
         self._lockstep = lockstep
         self._policy = policy
@@ -167,7 +168,9 @@ class CoreViews:
             wave=wave, running=running, lockstep=self._lockstep,
             rank_start=self._span.start, rank_count=len(self._span),
             frontends=len(self._frontends.registry), in_flight=len(requests), engines=engines,
-            counters=self.counter_values(), shutting_down=self._dispatch.shutting_down,
+            counters=self.counter_values(),
+            shutting_down=self._dispatch.shutting_down or self._dispatch.stopping,
+            version=self._version,
         )
 
     def saved_state(self) -> SavedState:

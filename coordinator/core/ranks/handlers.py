@@ -129,7 +129,9 @@ class RankHandlers:
                              message=message)
         # One line per reason per interval (with a count of the rest): a flood of bad
         # peers, each with its own identity, must not flood the log too.
-        out.log(ERROR, "refused engine %r: %s", identity, message, key=f"refuse:{reason}")
+        out.log(ERROR, "refused engine %r: %s", identity, message, key=f"refuse:{reason}",
+                event="refused", refused="engine", reason=reason, rank=rank,
+                identity=identity.hex(), detail=message)
         self.handshake_error(identity, message, out)
 
     def handshake_error(self, identity: bytes, reason: str, out: Outbox) -> None:
@@ -176,7 +178,9 @@ class RankHandlers:
             journal.counters["handshake.replaced"] += 1
             out.log(WARNING, "dp_rank=%d: engine %s replaces %s (previous registration %s)",
                     lease.rank, lease.engine_id, result.replaced.engine_id,
-                    result.replaced.state.value, key=f"replaced:{lease.rank}")
+                    result.replaced.state.value, key=f"replaced:{lease.rank}",
+                    event="rank_replaced", rank=lease.rank, engine_id=lease.engine_id,
+                    replaced_engine_id=result.replaced.engine_id)
             self._fanout.rank_replaced(lease.rank, now, out)
 
     def _on_ready(self, event: HandshakeReceived, now: float, out: Outbox) -> None:
@@ -195,7 +199,9 @@ class RankHandlers:
             out.send("handshake", event.identity, (vllm.encode_handshake_accepted(),),
                      SendPurpose.HANDSHAKE)
         out.log(INFO, "dp_rank=%d ready (engine_id=%s)", event.rank, result.lease.engine_id,
-                key=f"ready:{event.rank}")
+                key=f"ready:{event.rank}", event="rank_state", rank=event.rank,
+                old="handshaking", new="ready", cause="READY",
+                engine_id=result.lease.engine_id)
 
     # ---- dispatch greetings and connections --------------------------------------------
 
@@ -349,7 +355,9 @@ class RankHandlers:
                 "life revises the death")
             if isinstance(revived, Refused):
                 self._journal.counters["lease.revival_refused"] += 1
-                out.log(WARNING, "%s", revived.message, key=f"revival-refused:{rank}")
+                out.log(WARNING, "%s", revived.message, key=f"revival-refused:{rank}",
+                        event="refused", refused="revival", reason=revived.reason.value,
+                        rank=rank)
             elif revived is not None:
                 self._journal.counters["lease.revived"] += 1
                 fanout.rank_changed(revived, now, out)
@@ -365,7 +373,8 @@ class RankHandlers:
                              seconds=round(pause, 3))
         out.log(WARNING, "the coordinator did not run for %.1f s (stopped, frozen or "
                 "starved); every lease was credited that time, and leases are judged again "
-                "once what the engines sent meanwhile has been read", pause)
+                "once what the engines sent meanwhile has been read", pause,
+                event="coordinator_paused", seconds=round(pause, 3))
         # Judge after the queued traffic is read: the readers run before the next tick.
         self.next_lease_check = now + self.lease_interval_s
 

@@ -194,10 +194,12 @@ class WaveHandlers:
             journal.counters[f"watchdog.{alert.kind}"] += 1
             journal.record(now, KIND_WATCHDOG, alert.kind, ranks=list(alert.ranks),
                            message=alert.message)
-            out.log(ERROR, "WATCHDOG: %s", alert.message)
+            out.log(ERROR, "WATCHDOG: %s", alert.message, event="watchdog", kind=alert.kind,
+                    ranks=list(alert.ranks), wave=wave)
             for line in journal.recorder.format_lines(50, now=now):
                 out.log(WARNING, "%s", line)
             if config.watchdog_rewake and alert.kind == NO_PROGRESS:
                 self.wake(vllm.encode_start_dp_wave(wave, None), out)
                 journal.counters["watchdog.rewakes"] += 1
-                out.log(WARNING, "watchdog: re-broadcast START_DP_WAVE [%d, nil]", wave)
+                out.log(WARNING, "watchdog: re-broadcast START_DP_WAVE [%d, nil]", wave,
+                        event="watchdog_rewake", wave=wave)
