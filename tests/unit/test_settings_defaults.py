@@ -13,7 +13,7 @@ from coordinator.server.config import ServerConfig
 # ServerConfig's name for a CoreConfig setting, where they differ.
 RENAMED = {"handshake_ttl_s": "handshake_timeout_s"}
 # CoreConfig fields the server computes rather than takes as a setting.
-DERIVED = {"rank_start", "engines", "row_width", "persist", "admin_keys", "kv"}
+DERIVED = {"rank_start", "engines", "row_width", "persist", "admin_keys", "kv", "version"}
 # CoreConfig timings with no flag: the process always runs the core's default.
 FIXED = {"rewake_after_s", "observe_interval_s", "state_retry_s"}
 
@@ -24,8 +24,10 @@ def serve_defaults() -> dict[str, object]:
 
 
 def test_a_servers_default_settings_are_the_cores_defaults() -> None:
+    from coordinator import __version__
+
     assert core_config(ServerConfig(engines=3, rank_start=2)) == CoreConfig(
-        rank_start=2, engines=3)
+        rank_start=2, engines=3, version=__version__)
 
 
 def test_every_rule_setting_of_the_server_defaults_to_the_cores_value() -> None:
