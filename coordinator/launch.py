@@ -110,7 +110,8 @@ SERVE_OPTIONS: Final = frozenset({
     "--publish-interval-ms", "--rank-start", "--recorder-size", "--state-file", "--vllm-compat",
     "--watchdog-stall-s", "--max-engine-message-bytes", "--max-request-bytes", "--admin-keys-dir",
     "--min-engines", "--max-engines", "--frontend-lease-ttl-s", "--frontend-wake",
-    "--require-supported-vllm",
+    "--require-supported-vllm", "--kv-bootstrap-port", "--kv-bootstrap-host",
+    "--kv-bootstrap-tp-size", "--kv-bootstrap-pp-size", "--kv-bootstrap-probe-timeout-s",
 })
 """Every long option of `dp-coordinator serve`, which argparse matches by unique prefix.
 

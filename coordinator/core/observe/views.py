@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from coordinator.core.bootstrap.handlers import BootstrapHandlers
 from coordinator.core.dispatch.choice import RankChoice
 from coordinator.core.dispatch.handlers import DispatchHandlers
 from coordinator.core.frontends.handlers import FrontendHandlers
@@ -79,6 +80,8 @@ class OperatorView:
     group: fp.GroupState
     policy: str
     prefix: PrefixView | None = None
+    kv_bootstrap: list[dict[str, object]] | None = None
+    """The KV bootstrap registry's entries (None: not served)."""
 
 
 class CoreViews:
@@ -87,7 +90,8 @@ class CoreViews:
     def __init__(self, *, journal: Journal, span: RankSpan, lockstep: bool, policy: str,
                  ranks: RankHandlers, waves: WaveHandlers, dispatch: DispatchHandlers,
                  frontends: FrontendHandlers, kv: KVHandlers,
-                 hot_counters: Callable[[], Mapping[str, int]]) -> None:
+                 hot_counters: Callable[[], Mapping[str, int]],
+                 bootstrap: BootstrapHandlers | None = None) -> None:
         self._journal = journal
         self._span = span
         self._lockstep = lockstep
@@ -98,6 +102,7 @@ class CoreViews:
         self._frontends = frontends
         self._kv = kv
         self._hot_counters = hot_counters
+        self._bootstrap = bootstrap
         self.server_counters: dict[str, int] = {}
         """The server's own counters, as its last ``ServerCounters`` said."""
 
@@ -180,6 +185,7 @@ class CoreViews:
             gate_open=self._waves.gate.is_open, inits_sent=registry.inits_sent,
             leases=leases, frontends=registry.saved(),
             addresses=dict(self._frontends.addresses), pinned=registry.pinned() or None,
+            kv_bootstrap=self._bootstrap.saved() if self._bootstrap is not None else None,
         )
 
     def prefix_view(self) -> PrefixView | None:
@@ -230,4 +236,5 @@ class CoreViews:
             watchdog=[alert.as_dict(now) for alert in watchdog.active],
             all_ready=membership.all_ready(now=now), group=group,
             policy=self._policy, prefix=self.prefix_view(),
+            kv_bootstrap=self._bootstrap.view() if self._bootstrap is not None else None,
         )
