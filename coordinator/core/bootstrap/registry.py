@@ -123,8 +123,8 @@ Decision = Registered | Conflict | ProbeNeeded
 CONFLICT_REMEDY = (
     "two live engines claim one DP rank: two deployments share this bootstrap registry "
     "(give each its own coordinator or --kv-bootstrap-port), or an engine was started "
-    "with the wrong --data-parallel-rank; stop the wrong one, and the other registers "
-    "once its side channel is closed"
+    "with the wrong --data-parallel-rank; stop the wrong engine, then restart the refused "
+    "one (vLLM does not retry a refused registration)"
 )
 
 
