@@ -22,6 +22,7 @@ from prometheus_client.metrics_core import (
 
 from coordinator.core.dispatch.balancer import balance_ratio
 from coordinator.core.ranks.versions import SUPPORTED_RANGE, is_supported
+from coordinator.server.bootstrap_metrics import bootstrap_metrics
 from coordinator.server.observe import ObservedState
 from coordinator.server.prefix_metrics import prefix_metrics
 
@@ -90,6 +91,7 @@ class SnapshotCollector:
         yield from _rank_metrics(published.snapshot)
         yield from _group_metrics(published, self._clock())
         yield from prefix_metrics(published.snapshot)
+        yield from bootstrap_metrics(published.snapshot)
         yield from _counter_metrics(published.snapshot.counters)
 
 

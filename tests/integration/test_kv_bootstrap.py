@@ -131,6 +131,17 @@ def state_view(handle: CoordinatorHandle) -> list[dict[str, object]]:
     return view
 
 
+def metrics_text(handle: CoordinatorHandle) -> str:
+    url = handle.stderr_text().split("metrics and state on ", 1)[1].split()[0]
+    parsed = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=20)
+    try:
+        conn.request("GET", "/metrics")
+        return conn.getresponse().read().decode()
+    finally:
+        conn.close()
+
+
 def test_two_dp_by_two_tp_prefill_workers_register_and_a_decoder_sees_them(
         tmp_path: Path, ctx: Ctx, channels: list[SideChannel]) -> None:
     handle = start(tmp_path)
@@ -173,6 +184,9 @@ def test_a_restarted_engine_replaces_its_entry_once_its_old_side_channel_is_gone
         assert "engine engine-a2 replaces engine-a" in handle.stderr_text()
         entry = [item for item in state_view(handle) if item["dp_rank"] == 0]
         assert entry and entry[0]["engine_id"] == "engine-a2" and entry[0]["state"] == "live"
+        metrics = metrics_text(handle)
+        assert "dp_coordinator_kv_bootstrap_replacements_total 1.0" in metrics
+        assert 'dp_coordinator_kv_bootstrap_entries{state="live"} 2.0' in metrics
     finally:
         handle.shutdown()
 
