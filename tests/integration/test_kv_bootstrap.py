@@ -294,3 +294,40 @@ def test_a_garbage_and_oversize_flood_is_refused_and_valid_registrations_still_s
         assert refused.get("kv_bootstrap.refused.bad_payload", 0) >= 40 * 4
     finally:
         handle.shutdown()
+
+
+def silent_side_channel() -> tuple[socket.socket, list[socket.socket], str]:
+    """A port that takes no new connection and refuses none (a host that drops packets):
+    a listener whose accept queue is full, so the kernel drops further SYNs."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = int(listener.getsockname()[1])
+    fillers = []
+    for _ in range(4):
+        filler = socket.socket()
+        filler.setblocking(False)
+        filler.connect_ex(("127.0.0.1", port))
+        fillers.append(filler)
+    return listener, fillers, f"tcp://127.0.0.1:{port}"
+
+
+def test_a_silent_old_holder_is_replaced_after_the_probes_bound(
+        tmp_path: Path, ctx: Ctx, channels: list[SideChannel]) -> None:
+    handle = start(tmp_path, "--kv-bootstrap-probe-timeout-s", "1", tp_size=1)
+    listener, fillers, silent = silent_side_channel()
+    try:
+        url = handle.addresses["kv_bootstrap"]
+        assert register(url, "engine-a", 0, 0, silent) == (200, {"status": "ok"})
+        new = engine(ctx, channels, tp_size=1)
+        began = time.monotonic()
+        assert register(url, "engine-a2", 0, 0, new[0].addr) == (200, {"status": "ok"})
+        took = time.monotonic() - began
+        print(f"\nre-registration with a silent old holder (probe bound 1 s): "
+              f"{took * 1000:.0f} ms")
+        assert query(url) == {"0": expected("engine-a2", new)}
+        assert took < 15.0  # bounded by the probe, not by the peer
+    finally:
+        handle.shutdown()
+        for sock in [*fillers, listener]:
+            sock.close()
