@@ -123,7 +123,7 @@ class BootstrapServer:
         if method is None:
             self._handlers.refused("not_found")
             return Response(404, {"detail": "Not Found"})
-        if request.method != method and not (method == "GET" and request.method == "HEAD"):
+        if request.method != method:
             self._handlers.refused("method_not_allowed")
             return Response(405, {"detail": "Method Not Allowed"})
         if request.path == "/register":

@@ -67,8 +67,11 @@ def encode_response(response: Response, *, keep_alive: bool) -> bytes:
     return head.encode("ascii") + body
 
 
-async def read_request(reader: asyncio.StreamReader) -> tuple[Request, bool] | None:
-    """One request and whether the connection may stay open; None at a clean EOF."""
+async def read_request(reader: asyncio.StreamReader, writer: asyncio.StreamWriter | None = None
+                       ) -> tuple[Request, bool] | None:
+    """One request and whether the connection may stay open; None at a clean EOF.
+
+    ``writer`` answers ``Expect: 100-continue`` (curl asks it before larger bodies)."""
     try:
         head = await reader.readuntil(b"\r\n\r\n")
     except asyncio.IncompleteReadError as exc:
@@ -104,6 +107,9 @@ async def read_request(reader: asyncio.StreamReader) -> tuple[Request, bool] | N
     length = int(length_text)
     if length > MAX_BODY_BYTES:
         raise RequestError(413, f"the body has {length} bytes, the bound is {MAX_BODY_BYTES}")
+    if length and writer is not None and headers.get("expect", "").lower() == "100-continue":
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        await writer.drain()
     try:
         body = await reader.readexactly(length) if length else b""
     except asyncio.IncompleteReadError:
@@ -158,7 +164,7 @@ class HttpServer:
         while True:
             try:
                 # Idle or slow, a connection gets this long per request, then is closed.
-                parsed = await asyncio.wait_for(read_request(reader), REQUEST_TIMEOUT_S)
+                parsed = await asyncio.wait_for(read_request(reader, writer), REQUEST_TIMEOUT_S)
             except RequestError as exc:
                 self._on_refused(f"http_{exc.status}")
                 writer.write(encode_response(Response(exc.status, {"detail": exc.detail}),

@@ -331,3 +331,46 @@ def test_a_silent_old_holder_is_replaced_after_the_probes_bound(
         handle.shutdown()
         for sock in [*fillers, listener]:
             sock.close()
+
+
+def raw_exchange(target: tuple[str, int], data: bytes) -> bytes:
+    """Send ``data``, half-close, read everything the server sends until it closes."""
+    with socket.create_connection(target, timeout=20) as sock:
+        sock.sendall(data)
+        sock.shutdown(socket.SHUT_WR)
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def test_the_http_server_keeps_connections_alive_and_refuses_what_it_cannot_read(
+        tmp_path: Path, ctx: Ctx, channels: list[SideChannel]) -> None:
+    handle = start(tmp_path, tp_size=1)
+    try:
+        url = handle.addresses["kv_bootstrap"]
+        parsed = urllib.parse.urlsplit(url)
+        target = (parsed.hostname or "127.0.0.1", parsed.port or 0)
+        [worker] = engine(ctx, channels, tp_size=1)
+        body = json.dumps({"engine_id": "engine-a", "dp_rank": 0, "tp_rank": 0, "pp_rank": 0,
+                           "addr": worker.addr}).encode()
+        # Two requests on one connection, the second after an Expect: 100-continue.
+        reply = raw_exchange(target, b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n"
+                             b"POST /register HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\n"
+                             b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        assert reply.count(b"HTTP/1.1 200 OK") == 2 and b"HTTP/1.1 100 Continue" in reply
+        assert query(url) == {"0": expected("engine-a", [worker])}
+        # HTTP/1.0 without keep-alive: one answer, then the server closes.
+        reply = raw_exchange(target, b"GET /query HTTP/1.0\r\n\r\nGET /query HTTP/1.0\r\n\r\n")
+        assert reply.count(b"HTTP/1.1 200 OK") == 1 and b"connection: close" in reply
+        for request_bytes, status in (
+                (b"POST /register HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\n", b"411"),
+                (b"POST /register HTTP/1.1\r\ncontent-length: -1\r\n\r\n", b"400"),
+                (b"GET /query SPDY/3\r\n\r\n", b"505"),
+                (b"nonsense\r\n\r\n", b"400")):
+            reply = raw_exchange(target, request_bytes)
+            assert reply.startswith(b"HTTP/1.1 " + status), (request_bytes, reply)
+            assert b'"detail"' in reply
+        assert query(url) == {"0": expected("engine-a", [worker])}
+    finally:
+        handle.shutdown()
