@@ -226,6 +226,8 @@ class ServerConfig:
 
     def _validate_bootstrap(self) -> None:
         if self.kv_bootstrap_port is None:
+            if self.kv_bootstrap_host is not None:
+                raise ValueError("--kv-bootstrap-host needs --kv-bootstrap-port")
             return
         if not 0 <= self.kv_bootstrap_port <= 65535:
             raise ValueError(f"--kv-bootstrap-port must be between 0 and 65535, got "

@@ -32,6 +32,8 @@ from coordinator.core.config import BootstrapSettings
 from coordinator.core.events import Restore
 from coordinator.core.persisted import SavedState
 from coordinator.protocol.identity import rank_to_identity
+from coordinator.server.app import core_config
+from coordinator.server.config import ServerConfig
 from tests.unit.core_driver import Driver
 
 BOUNDS = PayloadBounds(range(0, 2), tp_size=2, pp_size=1)
@@ -350,3 +352,31 @@ class RegistryMachine(RuleBasedStateMachine):
 TestRegistryMachine = RegistryMachine.TestCase
 TestRegistryMachine.settings = settings(max_examples=60, stateful_step_count=30,
                                         deadline=None)
+
+
+# ---- the flags ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("settings_", "says"), [
+    ({"kv_bootstrap_port": 70000}, "--kv-bootstrap-port"),
+    ({"kv_bootstrap_port": 0, "kv_bootstrap_tp_size": 0}, "--kv-bootstrap-tp-size"),
+    ({"kv_bootstrap_port": 0, "kv_bootstrap_pp_size": 5000}, "--kv-bootstrap-pp-size"),
+    ({"kv_bootstrap_port": 0, "kv_bootstrap_probe_timeout_s": 0.0},
+     "--kv-bootstrap-probe-timeout-s"),
+    ({"kv_bootstrap_host": "127.0.0.1"}, "needs --kv-bootstrap-port"),
+])
+def test_bad_registry_flags_are_refused_with_the_flag_named(settings_: dict[str, object],
+                                                            says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        ServerConfig(engines=2, **settings_).validate()  # type: ignore[arg-type]
+
+
+def test_the_registry_is_off_by_default_and_listens_where_the_coordinator_does() -> None:
+    assert core_config(ServerConfig(engines=2)).kv_bootstrap is None
+    on = ServerConfig(engines=2, kv_bootstrap_port=0, kv_bootstrap_tp_size=4)
+    assert core_config(on).kv_bootstrap == BootstrapSettings(4, 1)
+    assert on.bootstrap_host() == "127.0.0.1"  # ipc sockets: loopback
+    assert ServerConfig(engines=2, host="127.0.0.2", kv_bootstrap_port=0).bootstrap_host() \
+        == "127.0.0.2"
+    assert ServerConfig(engines=2, host="127.0.0.2", kv_bootstrap_port=0,
+                        kv_bootstrap_host="::1").bootstrap_host() == "::1"
