@@ -288,6 +288,7 @@ def test_a_garbage_and_oversize_flood_is_refused_and_valid_registrations_still_s
         register_engine(url, "engine-b", 1, second)
         assert query(url) == {"0": expected("engine-a", first), "1": expected("engine-b", second)}
         grown = rss_kib(handle.pid) - baseline
+        print(f"\nresident memory after the flood: {grown:+d} KiB")
         assert grown < 32 * 1024, f"the coordinator grew by {grown} KiB under the flood"
         refused = {key: value for key, value in counters(handle).items()
                    if key.startswith("kv_bootstrap.refused.")}
