@@ -16,6 +16,7 @@ channels are real ROUTER sockets on loopback TCP.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import importlib
 import json
@@ -35,6 +36,9 @@ from tools import vllm_wheel
 
 MOONCAKE = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake"
 WEB_PACKAGES = ("pydantic", "fastapi", "uvicorn", "httpx")
+# What vLLM 0.33.0's metadata asks for (fastapi[standard]<0.137.0,>=0.133.0, pydantic>=2.12.0).
+WEB_REQUIREMENTS = ("pydantic>=2.12.0", "fastapi>=0.133.0,<0.137.0", "starlette>=1.0.1",
+                    "uvicorn", "httpx")
 WEB_CACHE = Path(__file__).resolve().parents[2] / ".cache" / "mooncake-web"
 
 Ctx = zmq.Context[zmq.Socket[bytes]]
@@ -52,7 +56,7 @@ def web_packages() -> None:
         pass
     result = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--quiet", "--target", str(WEB_CACHE),
-         *WEB_PACKAGES], capture_output=True, text=True, timeout=600, check=False)
+         *WEB_REQUIREMENTS], capture_output=True, text=True, timeout=600, check=False)
     if result.returncode != 0:
         pytest.skip("cannot install vLLM's web dependencies (pydantic, fastapi, uvicorn, "
                     f"httpx) into {WEB_CACHE}: is the package index reachable? "
@@ -62,8 +66,27 @@ def web_packages() -> None:
         importlib.import_module(name)
 
 
+def forget_web_packages(before: set[str]) -> None:
+    """Drop what ``web_packages`` imported: other tests expect pydantic and fastapi stubbed
+    by ``tools.vllm_wheel`` (it stubs them only when they are not already imported)."""
+    for name in set(sys.modules) - before:
+        module = sys.modules.get(name)
+        if str(getattr(module, "__file__", "") or "").startswith(str(WEB_CACHE)):
+            del sys.modules[name]
+    with contextlib.suppress(ValueError):
+        sys.path.remove(str(WEB_CACHE))
+
+
 @pytest.fixture(scope="module")
 def mooncake() -> Iterator[types.SimpleNamespace]:
+    before = set(sys.modules)
+    try:
+        yield from _mooncake()
+    finally:
+        forget_web_packages(before)
+
+
+def _mooncake() -> Iterator[types.SimpleNamespace]:
     web_packages()
     import httpx
     # Held for the module: the connector imports vLLM's network helpers inside a function.
