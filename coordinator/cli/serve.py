@@ -172,7 +172,9 @@ def add_bootstrap_arguments(parser: argparse.ArgumentParser) -> None:
                        help="the prefill engines' --pipeline-parallel-size (default 1)")
     group.add_argument("--kv-bootstrap-probe-timeout-s", type=float, default=2.0, metavar="S",
                        help="how long a probe of an old holder's side channel waits for a "
-                       "connection before the holder counts as gone (default 2)")
+                       "connection before the holder counts as gone; keep it well below "
+                       "vLLM's VLLM_MOONCAKE_CONNECTOR_TIMEOUT (30 s), since the registration "
+                       "waits for it (default 2)")
 
 
 def add_curve_arguments(parser: argparse.ArgumentParser) -> None:
