@@ -250,9 +250,22 @@ def test_the_registry_is_in_the_state_file_and_restored_unverified() -> None:
     assert query_ids(registry_) == {0: "A"}  # shown while its probe is under way
     [probe] = registry_.unverified()
     assert registry_.unverified() == []  # asked for once
+    assert [item["state"] for item in other.core.bootstrap.view()] == ["unverified"]
     other.execute(other.core.bootstrap_probe_answered(probe, False, other.now))
     assert query_ids(registry_) == {}
     assert other.saves[-1].kv_bootstrap == []
+
+
+def test_a_restored_entry_whose_side_channel_answers_is_live_again() -> None:
+    driver = core_with_registry()
+    driver.execute(driver.core.bootstrap_register(worker("A", 0), driver.now)[1])
+    other = core_with_registry()
+    other.feed(Restore(driver.saves[-1], "state.json"))
+    assert other.core.bootstrap is not None
+    [probe] = other.core.bootstrap.unverified()
+    other.execute(other.core.bootstrap_probe_answered(probe, True, other.now))
+    assert [item["state"] for item in other.core.bootstrap.view()] == ["live"]
+    assert query_ids(other.core.bootstrap.registry) == {0: "A"}
 
 
 def test_a_state_file_without_the_registry_still_loads() -> None:

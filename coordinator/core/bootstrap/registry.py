@@ -71,6 +71,8 @@ class DPEntry:
     """Membership says the rank is dead now; it may revive."""
     verified: bool = True
     """False for an entry restored from the state file until its probe answered."""
+    check_asked: bool = False
+    """The restored entry's probe was asked for (``unverified``)."""
 
     def addresses(self) -> tuple[str, ...]:
         return tuple(sorted({addr for by_pp in self.workers.values()
@@ -252,8 +254,8 @@ class BootstrapRegistry:
         """Probes for the restored entries not checked yet (each asked for once)."""
         probes = []
         for dp, entry in sorted(self.entries.items()):
-            if not entry.verified and entry.gone is None:
-                entry.verified = True  # asked once; a failed probe marks it gone
+            if not entry.verified and not entry.check_asked and entry.gone is None:
+                entry.check_asked = True
                 self.counters["kv_bootstrap.probes"] += 1
                 probes.append(ProbeNeeded(dp, entry.generation, entry.addresses()))
         return probes
