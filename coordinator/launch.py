@@ -112,6 +112,8 @@ SERVE_OPTIONS: Final = frozenset({
     "--min-engines", "--max-engines", "--frontend-lease-ttl-s", "--frontend-wake",
     "--require-supported-vllm", "--config", "--check", "--log-format",
     "--graceful-stop-s",
+    "--kv-bootstrap-port", "--kv-bootstrap-host",
+    "--kv-bootstrap-tp-size", "--kv-bootstrap-pp-size", "--kv-bootstrap-probe-timeout-s",
 })
 """Every long option of `dp-coordinator serve`, which argparse matches by unique prefix.
 

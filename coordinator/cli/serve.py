@@ -153,6 +153,7 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     add_settings_arguments(p)
     add_observability_arguments(p)
     add_curve_arguments(p)
+    add_bootstrap_arguments(p)
 
 
 def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
@@ -192,6 +193,29 @@ def add_prefix_arguments(parser: argparse.ArgumentParser) -> None:
                        help="--policy prefix: the extra load, in tokens, accepted to keep a "
                        "request on the rank with its longest cached prefix or its "
                        "conversation (0: the lowest cost wins; default 256)")
+
+
+def add_bootstrap_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `serve` flags of the KV bootstrap registry (vLLM's Mooncake P/D)."""
+    group = parser.add_argument_group("KV bootstrap registry (prefill/decode with Mooncake)")
+    group.add_argument("--kv-bootstrap-port", type=int, default=None, metavar="PORT",
+                       help="serve vLLM's Mooncake bootstrap API (POST /register, GET /query, "
+                       "GET /health) on PORT, for prefill engines started with "
+                       "kv_connector_extra_config bootstrap_server_address=HOST:PORT; a "
+                       "restarted engine replaces its old entry once the old one is proven "
+                       "gone (0: any free port; default: off)")
+    group.add_argument("--kv-bootstrap-host", default=None, metavar="H",
+                       help="its address (default: --host, or 127.0.0.1 with ipc sockets); "
+                       "anyone who reaches it can register workers, see docs/OPERATIONS.md")
+    group.add_argument("--kv-bootstrap-tp-size", type=int, default=1, metavar="N",
+                       help="the prefill engines' --tensor-parallel-size (default 1)")
+    group.add_argument("--kv-bootstrap-pp-size", type=int, default=1, metavar="N",
+                       help="the prefill engines' --pipeline-parallel-size (default 1)")
+    group.add_argument("--kv-bootstrap-probe-timeout-s", type=float, default=2.0, metavar="S",
+                       help="how long a probe of an old holder's side channel waits for a "
+                       "connection before the holder counts as gone; keep it well below "
+                       "vLLM's VLLM_MOONCAKE_CONNECTOR_TIMEOUT (30 s), since the registration "
+                       "waits for it (default 2)")
 
 
 def add_curve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -299,4 +323,9 @@ def server_config(args: argparse.Namespace, *, engines: int) -> ServerConfig:
         kv_block_size=args.kv_block_size,
         prefix_slack_tokens=args.prefix_slack_tokens,
         graceful_stop_s=args.graceful_stop_s,
+        kv_bootstrap_port=args.kv_bootstrap_port,
+        kv_bootstrap_host=args.kv_bootstrap_host,
+        kv_bootstrap_tp_size=args.kv_bootstrap_tp_size,
+        kv_bootstrap_pp_size=args.kv_bootstrap_pp_size,
+        kv_bootstrap_probe_timeout_s=args.kv_bootstrap_probe_timeout_s,
     )

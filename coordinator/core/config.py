@@ -12,6 +12,14 @@ from coordinator.core.kv.plane import KVSettings
 
 
 @dataclass(frozen=True)
+class BootstrapSettings:
+    """The KV bootstrap registry's sizes (``core.bootstrap``)."""
+
+    tp_size: int = 1
+    pp_size: int = 1
+
+
+@dataclass(frozen=True)
 class CoreConfig:
     """The core's settings (the server's flags that are rules, not IO)."""
 
@@ -58,3 +66,5 @@ class CoreConfig:
     """The prefix policy's load/cache trade-off (``RoutingConfig.slack_tokens``)."""
     version: str = ""
     """The running dp-coordinator's version, for the ``state`` reply."""
+    kv_bootstrap: BootstrapSettings | None = None
+    """Serve the KV bootstrap registry with these sizes (None: do not)."""

@@ -16,6 +16,7 @@ package         decides
                 policies, the prefix rule, one tie rule, the session table
 ``frontends``   registrations and their leases, the address pin, the INIT hold
 ``kv``          each rank's KV event stream, the prefix index
+``bootstrap``   the KV bootstrap registry: who holds each DP rank's entry
 ``observe``     counters and the flight recorder, when full publishes go out,
                 the views (``state``, the state file, the operators' view)
 ==============  ===============================================================
@@ -67,6 +68,9 @@ from coordinator.core.actions import (
     SocketName,
     StopProcess,
 )
+from coordinator.core.bootstrap.handlers import BootstrapHandlers
+from coordinator.core.bootstrap.payload import PayloadBounds, RegisterWorkerPayload
+from coordinator.core.bootstrap.registry import Decision, ProbeNeeded
 from coordinator.core.config import CoreConfig
 from coordinator.core.dispatch.choice import RankChoice
 from coordinator.core.dispatch.handlers import DispatchHandlers
@@ -156,10 +160,15 @@ class CoordinatorCore:
                                          self._frontend_identities, self._blind_ranks)
         self.frontends = FrontendHandlers(config, self.journal, self.span,
                                           self.dispatch.requests, self.waves)
+        sizes = config.kv_bootstrap
+        self.bootstrap = None if sizes is None else BootstrapHandlers(PayloadBounds(
+            range(config.rank_start, config.rank_start + max(config.engines, config.max_engines)),
+            sizes.tp_size, sizes.pp_size), self.journal)
         self.views = CoreViews(journal=self.journal, span=self.span, lockstep=config.lockstep,
                                policy=config.policy, ranks=self.ranks, waves=self.waves,
                                dispatch=self.dispatch, frontends=self.frontends, kv=self.kv,
-                               hot_counters=self._hot_counters, version=config.version)
+                               hot_counters=self._hot_counters, version=config.version,
+                               bootstrap=self.bootstrap)
         # Machines read often enough to deserve a short name (the stats hot path).
         self.membership = self.ranks.membership
         self.loads = choice.loads
@@ -299,6 +308,20 @@ class CoordinatorCore:
         plane = self.kv.plane
         return plane is not None and plane.pending_blocks > 0
 
+    # ---- the KV bootstrap registry (server.bootstrap moves its requests) -------------------
+
+    def bootstrap_register(self, payload: RegisterWorkerPayload, now: float, *,
+                           probed: bool = False) -> tuple[Decision, Sequence[Action]]:
+        """One registration's decision, and the actions it owes (a state-file write)."""
+        assert self.bootstrap is not None
+        return self.bootstrap.register(payload, now, self._out, probed=probed), self._flush()
+
+    def bootstrap_probe_answered(self, probe: ProbeNeeded, alive: bool,
+                                 now: float) -> Sequence[Action]:
+        assert self.bootstrap is not None
+        self.bootstrap.probe_answered(probe, alive, now, self._out)
+        return self._flush()
+
     def wake_latencies_since(self, cursor: int) -> tuple[list[float], int]:
         """Wake latencies measured after ``cursor``, and the next cursor (a query)."""
         return self.waves.timeline.wake_latencies_since(cursor)
@@ -408,6 +431,11 @@ class CoordinatorCore:
                 new=change.new.value if change.new else "absent", cause=change.cause)
         if change.new not in (RankState.DEAD, None):
             return
+        if self.bootstrap is not None:
+            if change.new is None:
+                self.bootstrap.rank_superseded(change.rank, "the rank left the group", out)
+            else:
+                self.bootstrap.rank_died(change.rank, out)
         self.journal.counters["lease.dead"] += 1
         lease = self.membership.lease(change.rank)
         # It may come back (ranks.liveness): the group keeps its wave and running state,
@@ -430,15 +458,21 @@ class CoordinatorCore:
                     cause=change.cause)
 
     def rank_replaced(self, rank: int, now: float, out: Outbox) -> None:
+        if self.bootstrap is not None:
+            self.bootstrap.rank_superseded(rank, "a new incarnation took the rank", out)
         self.kv.forget_rank(rank, "rank_replaced")
         self.dispatch.fail_rank(rank, "the engine was replaced by a new incarnation", out)
         self.waves.group_changed(now, out, cause=f"dp_rank={rank} has a new incarnation",
                                  rank=rank)
 
     def rank_revived(self, rank: int, incarnation: int, out: Outbox) -> None:
+        if self.bootstrap is not None:
+            self.bootstrap.rank_revived(rank, out)
         self.dispatch.rank_revived(rank, incarnation, out)
 
     def new_incarnation(self, rank: int) -> None:
+        if self.bootstrap is not None:  # its HELLO's acceptance saves and refreshes
+            self.bootstrap.registry.rank_superseded(rank, "a new incarnation said HELLO")
         self.dispatch.new_incarnation(rank)
 
     def engine_said_hello(self, rank: int, identity: bytes, out: Outbox) -> None:
@@ -624,6 +658,8 @@ class CoordinatorCore:
                 out.log(WARNING, "state file: %s", result.message)
         self.frontends.registry.restore(saved.frontends, inits_sent=saved.inits_sent, now=now,
                                         pinned=saved.pinned)
+        if self.bootstrap is not None and saved.kv_bootstrap:
+            self.bootstrap.restore(saved.kv_bootstrap, now, out)
         self.journal.record(now, KIND_MEMBERSHIP, "restored from state file", path=event.path,
                             leases=len(saved.leases), frontends=len(saved.frontends))
         out.log(INFO, "restored from %s: wave %d, %d registrations, %d frontends, gate %s",

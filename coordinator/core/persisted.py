@@ -43,6 +43,15 @@ class SavedFrontend(msgspec.Struct):
     input_address: str | None
 
 
+class SavedBootstrapEntry(msgspec.Struct):
+    """One DP rank's entry of the KV bootstrap registry (``core.bootstrap``)."""
+
+    dp_rank: int
+    engine_id: str
+    workers: dict[int, dict[int, str]]
+    """``{tp_rank: {pp_rank: side-channel address}}``."""
+
+
 class SavedState(msgspec.Struct, omit_defaults=True):
     version: int
     wave: int
@@ -56,3 +65,7 @@ class SavedState(msgspec.Struct, omit_defaults=True):
     or not a frontend holds the index now. Added without a version change: it is
     written only when there are pins, a file without it reads as None (no pins), and
     older coordinators ignore it."""
+    kv_bootstrap: list[SavedBootstrapEntry] | None = None
+    """The KV bootstrap registry's entries (``--kv-bootstrap-port``): prefill workers
+    register once, at start-up, so a restarted coordinator must still know them. Added
+    like ``pinned``: written only when the registry is served, None when absent."""

@@ -59,6 +59,7 @@ from coordinator.core.events import (
 from coordinator.core.runner import ActionRunner
 from coordinator.protocol import vllm
 from coordinator.protocol.addresses import SOCKET_KEYS
+from coordinator.server.bootstrap import BootstrapServer, bootstrap_server
 from coordinator.server.config import ServerConfig
 from coordinator.server.connections import PeerConnections
 from coordinator.server.curve import CurveKeyError, CurveServer, load_client_keys
@@ -105,6 +106,7 @@ def core_config(cfg: ServerConfig, admin_keys: frozenset[str] = frozenset()) -> 
         frontend_lease_ttl_s=cfg.frontend_lease_ttl_s,
         kv=cfg.kv_settings(), prefix_slack_tokens=cfg.prefix_slack_tokens,
         version=__version__,
+        kv_bootstrap=cfg.bootstrap_settings(),
     )
 
 
@@ -127,6 +129,7 @@ class CoordinatorServer:
                                     now=clock())
         self.addresses: dict[str, str] = {}
         self.http: HttpEndpoints | None = None
+        self.bootstrap: BootstrapServer | None = None
         self.curve: CurveServer | None = None
         self.counters: Counter[str] = Counter()
         """Failures of the server itself (``internal_error.*``), merged into the core's."""
@@ -236,6 +239,9 @@ class CoordinatorServer:
                 log.info("no state file at %s yet; starting empty", cfg.state_file)
             else:
                 self._feed(Restore(saved, cfg.state_file))
+        self.bootstrap = bootstrap_server(cfg, self.core, self.clock, self.execute)
+        if self.bootstrap is not None:
+            self.addresses["kv_bootstrap"] = self.bootstrap.bind()
         if cfg.metrics_port is not None:
             self.http = HttpEndpoints(cfg.metrics_host, cfg.metrics_port, clock=self.clock)
             self.http.start()  # logs its URL
@@ -269,6 +275,8 @@ class CoordinatorServer:
         if self.http is not None:
             self.http.stop()
             self.http = None
+        if self.bootstrap is not None:
+            self.bootstrap.close()
         for connections in self._connections.values():
             connections.close()
         self._connections.clear()
@@ -344,6 +352,8 @@ class CoordinatorServer:
         tasks.append(asyncio.ensure_future(self._timer.run()))
         if self.kv_plane is not None:
             tasks.append(asyncio.ensure_future(self.kv_plane.run()))
+        if self.bootstrap is not None:
+            tasks.append(asyncio.ensure_future(self.bootstrap.run()))
         stopper = asyncio.ensure_future(self.stopping.until_stopped(stop))
         try:
             done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)

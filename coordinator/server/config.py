@@ -6,7 +6,8 @@ import ipaddress
 import socket
 from dataclasses import dataclass, field
 
-from coordinator.core.config import CoreConfig
+from coordinator.core.bootstrap.payload import MAX_PARALLEL_SIZE
+from coordinator.core.config import BootstrapSettings, CoreConfig
 from coordinator.core.dispatch.prefix_policy import PREFIX_POLICY
 from coordinator.core.kv.plane import KVSettings
 from coordinator.protocol.addresses import SOCKET_KEYS, bind_host, check_bind_safety
@@ -112,6 +113,29 @@ class ServerConfig:
     graceful_stop_s: float = 0.0
     """SIGTERM/SIGINT first refuse new submits and wait this long for those in flight
     (0: stop at once)."""
+    kv_bootstrap_port: int | None = None
+    """Serve vLLM's Mooncake bootstrap registry (/register, /query) here (None: off)."""
+    kv_bootstrap_host: str | None = None
+    """Its address (default: the coordinator's --host; 127.0.0.1 with ipc sockets)."""
+    kv_bootstrap_tp_size: int = 1
+    kv_bootstrap_pp_size: int = 1
+    """The prefill engines' tensor- and pipeline-parallel sizes."""
+    kv_bootstrap_probe_timeout_s: float = 2.0
+    """How long a probe of an old holder's side channel may wait for a connection."""
+
+    def bootstrap_settings(self) -> BootstrapSettings | None:
+        if self.kv_bootstrap_port is None:
+            return None
+        return BootstrapSettings(self.kv_bootstrap_tp_size, self.kv_bootstrap_pp_size)
+
+    def bootstrap_host(self) -> str:
+        """Where the registry listens: its own flag, else the coordinator's tcp host."""
+        if self.kv_bootstrap_host is not None:
+            return self.kv_bootstrap_host
+        host = bind_host(self.host) if self.host is not None else None
+        if host is None:
+            return "127.0.0.1"
+        return "0.0.0.0" if host == "*" else host
 
     def kv_settings(self) -> KVSettings | None:
         """What to follow of the engines' KV events: all of it for the prefix policy, the
@@ -204,11 +228,28 @@ class ServerConfig:
         if self.watchdog_stall_s < 0:
             raise ValueError(f"--watchdog-stall-s must be >= 0, got {self.watchdog_stall_s}")
         self._validate_kv()
+        self._validate_bootstrap()
         if self.host is not None:
             check_host_resolves(self.host)
         check_bind_safety(
             self.host, has_keys=self.curve_secret_key is not None, insecure=self.insecure
         )
+
+    def _validate_bootstrap(self) -> None:
+        if self.kv_bootstrap_port is None:
+            if self.kv_bootstrap_host is not None:
+                raise ValueError("--kv-bootstrap-host needs --kv-bootstrap-port")
+            return
+        if not 0 <= self.kv_bootstrap_port <= 65535:
+            raise ValueError(f"--kv-bootstrap-port must be between 0 and 65535, got "
+                             f"{self.kv_bootstrap_port}")
+        for flag, size in (("--kv-bootstrap-tp-size", self.kv_bootstrap_tp_size),
+                           ("--kv-bootstrap-pp-size", self.kv_bootstrap_pp_size)):
+            if not 1 <= size <= MAX_PARALLEL_SIZE:
+                raise ValueError(f"{flag} must be between 1 and {MAX_PARALLEL_SIZE}, got {size}")
+        if not 0 < self.kv_bootstrap_probe_timeout_s <= 60:
+            raise ValueError("--kv-bootstrap-probe-timeout-s must be in (0, 60], got "
+                             f"{self.kv_bootstrap_probe_timeout_s}")
 
     def _validate_kv(self) -> None:
         if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:

@@ -25,6 +25,7 @@ from coordinator.core.events import SendFailure
 from coordinator.core.ranks.membership import RefusalReason
 from coordinator.core.ranks.versions import SUPPORTED_RANGE, is_supported
 from coordinator.protocol.addresses import SOCKET_KEYS
+from coordinator.server.bootstrap_metrics import bootstrap_metrics
 from coordinator.server.observe import ObservedState
 from coordinator.server.prefix_metrics import prefix_metrics
 
@@ -105,6 +106,7 @@ class SnapshotCollector:
         yield from _rank_metrics(published.snapshot)
         yield from _group_metrics(published, self._clock())
         yield from prefix_metrics(published.snapshot)
+        yield from bootstrap_metrics(published.snapshot)
         yield from _counter_metrics(published.snapshot.counters)
 
 

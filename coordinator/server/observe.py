@@ -100,8 +100,9 @@ def observed_state(core: CoordinatorCore, now: float, recorder_tail: list[dict[s
         seconds_running=totals.seconds_running, seconds_paused=totals.seconds_paused,
         wake_latencies_s=wake_latencies_s or [], watchdog=view.watchdog,
         recorder_tail=recorder_tail, all_ready=view.all_ready,
-        state_json=group_state_to_builtins(view.group), policy=view.policy,
-        prefix=view.prefix, readiness=view.readiness,
+        state_json=group_state_to_builtins(view.group) | (
+            {} if view.kv_bootstrap is None else {"kv_bootstrap": view.kv_bootstrap}),
+        policy=view.policy, prefix=view.prefix, readiness=view.readiness,
         decision_times=decisions.snapshot() if decisions is not None else ((), 0.0),
     )
 

@@ -13,7 +13,8 @@ from coordinator.server.config import ServerConfig
 # ServerConfig's name for a CoreConfig setting, where they differ.
 RENAMED = {"handshake_ttl_s": "handshake_timeout_s"}
 # CoreConfig fields the server computes rather than takes as a setting.
-DERIVED = {"rank_start", "engines", "row_width", "persist", "admin_keys", "kv", "version"}
+DERIVED = {"rank_start", "engines", "row_width", "persist", "admin_keys", "kv", "version",
+           "kv_bootstrap"}
 # CoreConfig timings with no flag: the process always runs the core's default.
 FIXED = {"rewake_after_s", "observe_interval_s", "state_retry_s"}
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from coordinator.core.bootstrap.handlers import BootstrapHandlers
 from coordinator.core.dispatch.choice import RankChoice
 from coordinator.core.dispatch.handlers import DispatchHandlers
 from coordinator.core.frontends.handlers import FrontendHandlers
@@ -82,6 +83,8 @@ class OperatorView:
     prefix: PrefixView | None = None
     readiness: Readiness = NOT_JUDGED
     """Whether the group serves (``core.ranks.readiness``): what ``/readyz`` says."""
+    kv_bootstrap: list[dict[str, object]] | None = None
+    """The KV bootstrap registry's entries (None: not served)."""
 
 
 class CoreViews:
@@ -90,7 +93,8 @@ class CoreViews:
     def __init__(self, *, journal: Journal, span: RankSpan, lockstep: bool, policy: str,
                  ranks: RankHandlers, waves: WaveHandlers, dispatch: DispatchHandlers,
                  frontends: FrontendHandlers, kv: KVHandlers,
-                 hot_counters: Callable[[], Mapping[str, int]], version: str = "") -> None:
+                 hot_counters: Callable[[], Mapping[str, int]], version: str = "",
+                 bootstrap: BootstrapHandlers | None = None) -> None:
         self._journal = journal
         self._version = version
         self._span = span
@@ -102,6 +106,7 @@ class CoreViews:
         self._frontends = frontends
         self._kv = kv
         self._hot_counters = hot_counters
+        self._bootstrap = bootstrap
         self.server_counters: dict[str, int] = {}
         """The server's own counters, as its last ``ServerCounters`` said."""
 
@@ -186,6 +191,7 @@ class CoreViews:
             gate_open=self._waves.gate.is_open, inits_sent=registry.inits_sent,
             leases=leases, frontends=registry.saved(),
             addresses=dict(self._frontends.addresses), pinned=registry.pinned() or None,
+            kv_bootstrap=self._bootstrap.saved() if self._bootstrap is not None else None,
         )
 
     def prefix_view(self) -> PrefixView | None:
@@ -239,4 +245,5 @@ class CoreViews:
             readiness=group_serves({view.rank: view.state for view in ranks},
                                    membership.dispatchable(now=now),
                                    gate_open=self._waves.gate.is_open),
+            kv_bootstrap=self._bootstrap.view() if self._bootstrap is not None else None,
         )
