@@ -320,10 +320,14 @@ def scrape_of_a_serving_coordinator(coordinator: CoordinatorFactory) -> Scrape:
                 if status != 200:
                     return False
                 scrape = Scrape.parse(body.decode())
-                return {"dp_coordinator_refused_total", "dp_coordinator_dropped_frames_total",
-                        "dp_coordinator_rank_waiting", "dp_coordinator_handshakes_total"
-                        } <= scrape.sampled and b'dp_coordinator_wake_latency_seconds_count 0.0' \
-                    not in body
+                # The labelled counters carry zero series from the start: wait for counts.
+                counted = all(re.search(rb"^%s\{[^}]*\} [1-9]" % name.encode(), body, re.M)
+                              for name in ("dp_coordinator_refused_total",
+                                           "dp_coordinator_dropped_frames_total",
+                                           "dp_coordinator_handshakes_total"))
+                return counted and {"dp_coordinator_rank_waiting",
+                                    "dp_coordinator_rank_report_age_seconds"} <= scrape.sampled \
+                    and b'dp_coordinator_wake_latency_seconds_count 0.0' not in body
 
             await eventually(everything_seen, "a refusal, a drop, ranks and a wake in /metrics")
             status, body = await asyncio.to_thread(get, base + "/metrics")

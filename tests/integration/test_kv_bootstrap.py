@@ -182,8 +182,11 @@ def test_a_restarted_engine_replaces_its_entry_once_its_old_side_channel_is_gone
         wait_until(lambda: counters(handle).get("kv_bootstrap.replacements") == 1,
                    timeout=10, what="the replacement in /state")
         assert "engine engine-a2 replaces engine-a" in handle.stderr_text()
-        entry = [item for item in state_view(handle) if item["dp_rank"] == 0]
-        assert entry and entry[0]["engine_id"] == "engine-a2" and entry[0]["state"] == "live"
+        # /state is a snapshot the loop refreshes: wait for one taken after the second worker.
+        entry = wait_until(
+            lambda: [item for item in state_view(handle) if item["dp_rank"] == 0
+                     and item["state"] == "live"], timeout=10, what="the new entry live in /state")
+        assert entry[0]["engine_id"] == "engine-a2"
         metrics = metrics_text(handle)
         assert "dp_coordinator_kv_bootstrap_replacements_total 1.0" in metrics
         assert 'dp_coordinator_kv_bootstrap_entries{state="live"} 2.0' in metrics
