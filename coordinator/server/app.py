@@ -58,6 +58,7 @@ from coordinator.core.runner import ActionRunner
 from coordinator.protocol import vllm
 from coordinator.protocol.addresses import SOCKET_KEYS
 from coordinator.server.config import ServerConfig
+from coordinator.server.connection_gate import ConnectionGate
 from coordinator.server.connections import PeerConnections
 from coordinator.server.curve import CurveKeyError, CurveServer, load_client_keys
 from coordinator.server.feeders import Feeders
@@ -69,6 +70,7 @@ from coordinator.server.sending import poke_if_readable, send_add, send_frames, 
 from coordinator.server.sockets import bind_admin, binds_tcp, socket_specs
 from coordinator.server.statefile import check_writable, load_state, save_state
 from coordinator.server.stats_reader import StatsReader
+from coordinator.server.subscriptions import SubscriptionGuard
 from coordinator.server.timers import CoreTimer
 from coordinator.server.transport import (
     FrameHandler,
@@ -159,7 +161,10 @@ class CoordinatorServer:
         # One handler per socket: frames in, actions carried out.
         self.feeders = Feeders(self.core, clock, self.execute, self.decision_times,
                                self._connections)
-        self.frame_handlers: dict[str, FrameHandler] = self.feeders.handlers()
+        self.gate = ConnectionGate(config.engines, config.frontends, config.log_interval_s, clock)
+        self.subscriptions = SubscriptionGuard(self.gate, config.log_interval_s, clock)
+        self.frame_handlers: dict[str, FrameHandler] = self.subscriptions.guarded(
+            self.feeders.handlers())
         self._admin_dir: str | None = None
 
     # ---- setup and teardown -------------------------------------------------
@@ -248,9 +253,10 @@ class CoordinatorServer:
         def configure(sock: zmq.Socket[bytes]) -> None:
             if curve is not None:
                 curve.configure_socket(sock)
+            gate = self.gate.attach(key, sock, monitored=key in MONITORED)
             if key in MONITORED:
                 self._connections[key] = PeerConnections(sock, MONITORED[key], self._conn_ids,
-                                                         self._feed)
+                                                         self._feed, gate)
 
         return configure
 
@@ -264,6 +270,7 @@ class CoordinatorServer:
         for connections in self._connections.values():
             connections.close()
         self._connections.clear()
+        self.gate.close()
         if self.kv_plane is not None:
             self.kv_plane.close()
         for sock in self._sockets.values():
@@ -317,17 +324,17 @@ class CoordinatorServer:
             connections = self._connections.get(key)
             self._readers[key] = FrameReader(
                 self._sockets[key], handler, name=key, on_error=self._handler_failed,
-                source=connections.source if connections else None,
+                source=connections.source if connections else self.subscriptions.source(key),
                 max_message_bytes=self.config.max_message_bytes(key),
                 on_oversize=feeders.oversize(key, self.config.max_message_bytes(key)),
                 on_peer=feeders.on_frontend_peer if (
                     key == "frontend" and self.curve is not None) else None,
                 on_address=feeders.on_dispatch_peer if (
                     key == "dispatch" and binds_tcp(self.config, "dispatch")) else None)
-        for key, connections in self._connections.items():
+        monitors = {key: (c.monitor, c.on_monitor_message) for key, c in self._connections.items()}
+        for key, (monitor, on_event) in {**monitors, **self.gate.monitors()}.items():
             self._readers[f"{key}.monitor"] = FrameReader(
-                connections.monitor, connections.on_monitor_message,
-                name=f"{key}.monitor", on_error=self._handler_failed)
+                monitor, on_event, name=f"{key}.monitor", on_error=self._handler_failed)
         self._readers["back_output"] = StatsReader(
             self._sockets["back_output"], self.core, self.execute, clock=self.clock,
             on_error=self._handler_failed,
@@ -375,7 +382,7 @@ class CoordinatorServer:
                           exc_info=exc)
 
     def _own_counters(self) -> Mapping[str, int]:
-        counters = dict(self.counters)
+        counters = {**self.counters, **self.gate.counters(), **self.subscriptions.counters()}
         if self.curve is not None:
             counters.update(self.curve.counters())
         return counters

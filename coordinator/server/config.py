@@ -16,6 +16,7 @@ from coordinator.server.transport import (
     DEFAULT_MAX_ENGINE_MESSAGE_BYTES,
     DEFAULT_MAX_REQUEST_BYTES,
     KV_EVENTS_MAX_MESSAGE_BYTES,
+    PUBLISH_UPSTREAM_MAX_MESSAGE_BYTES,
 )
 
 
@@ -122,7 +123,9 @@ class ServerConfig:
         """The bound on one message (all frames) read on socket ``key``."""
         if key == "frontend":
             return self.max_request_bytes
-        if key in ("back_publish", "front_publish", "admin"):
+        if key in ("back_publish", "front_publish"):
+            return PUBLISH_UPSTREAM_MAX_MESSAGE_BYTES
+        if key == "admin":
             return CONTROL_MAX_MESSAGE_BYTES
         if key == "kv_events":
             return KV_EVENTS_MAX_MESSAGE_BYTES

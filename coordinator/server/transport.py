@@ -32,8 +32,15 @@ DEFAULT_MAX_REQUEST_BYTES = 16 * MIB
 DEFAULT_MAX_ENGINE_MESSAGE_BYTES = 1 * MIB
 """``handshake``, ``dispatch``, ``back_output``: HELLO/READY, greetings, stats reports."""
 CONTROL_MAX_MESSAGE_BYTES = 64 * 1024
-"""Upstream of ``back_publish`` and ``front_publish`` (subscriptions, SCALE_ELASTIC_EP),
-and the operators' ``admin`` socket."""
+"""The operators' ``admin`` socket."""
+PUBLISH_UPSTREAM_MAX_MESSAGE_BYTES = 512
+"""Upstream of ``back_publish`` and ``front_publish``: subscriptions, SCALE_ELASTIC_EP and
+legacy wakes are a few bytes, a CURVE handshake (INITIATE with its metadata) about 300.
+A topic is filed by libzmq at about 44 bytes of memory a byte (server.subscriptions)."""
+PUBLISH_UPSTREAM_RCVHWM = 16
+"""Messages of one publish-socket connection libzmq takes in before the coordinator reads
+them: a peer sends one subscription (rarely a wake or a scale request) and the rest waits
+on its own side, so a connection is judged before it has filed more."""
 KV_EVENTS_MAX_MESSAGE_BYTES = 16 * MIB
 """A batch from an engine's KV event publisher, live or replayed."""
 
