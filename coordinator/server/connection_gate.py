@@ -52,11 +52,15 @@ def connection_budgets(limit: int, engines: int, frontends: int) -> dict[str, in
     """Open connections each engine-facing socket may hold under an open-file ``limit``.
 
     Each socket gets what the group needs of it (an engine on each engine socket, a
-    frontend on each frontend socket) and an equal share of the rest, after
-    ``RESERVE`` descriptors kept for the process."""
+    frontend on each frontend socket) and an equal share of what is left of half the
+    limit. The other half (at least ``RESERVE``) is the process's own and the room for
+    connections libzmq accepts faster than the gate can shut them: a local peer
+    connecting in a tight loop gets a few hundred accepted before the gate has read
+    their monitor events."""
     planned = {key: max(frontends, MIN_FRONTENDS) if key in FRONTEND_SOCKETS else engines
                for key in SOCKET_KEYS}
-    spare = max(0, limit - RESERVE - sum(planned.values())) // len(planned)
+    shared = min(limit // 2, limit - RESERVE)
+    spare = max(0, shared - sum(planned.values())) // len(planned)
     return {key: max(1, need + spare) for key, need in planned.items()}
 
 
