@@ -215,7 +215,7 @@ class FrameReader:
                 fd = self._last_fd
             else:
                 frames = [frame.bytes]
-                fd = int(frame.get(zmq.SRCFD)) if source is not None else -1
+                fd = source_fd(frame) if source is not None else -1
             try:
                 if source is not None:
                     source(fd)
@@ -245,7 +245,7 @@ class FrameReader:
                 continue
             frames.append(frame.bytes)
         if self._source is not None:
-            self._last_fd = int(frame.get(zmq.SRCFD))
+            self._last_fd = source_fd(frame)
         del frame, first
         if not over:
             return frames
@@ -256,6 +256,15 @@ class FrameReader:
             except Exception as exc:
                 self._on_error(self._name, exc)
         return None
+
+
+def source_fd(frame: zmq.Frame) -> int:
+    """The descriptor of the connection ``frame`` came on, or -1: an XPUB's own
+    cancellations (of a closed connection's topics) came on none."""
+    try:
+        return int(frame.get(zmq.SRCFD))
+    except zmq.ZMQError:
+        return -1
 
 
 def peer_user_id(frame: zmq.Frame) -> str | None:
