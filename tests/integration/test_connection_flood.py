@@ -28,8 +28,8 @@ import zmq
 
 from coordinator._zmq import wait_for_address_file
 from coordinator.protocol.addresses import SOCKET_KEYS
-from coordinator.server.connection_gate import connection_budgets
 from coordinator.protocol.vllm import READY
+from coordinator.server.connection_gate import connection_budgets
 from tests.vllm_peers import RawEngine, RawFrontend, wait_until
 
 Ctx = zmq.Context[zmq.Socket[bytes]]
