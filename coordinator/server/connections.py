@@ -39,15 +39,22 @@ import os
 import socket
 import struct
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import zmq
 
 from coordinator.core.actions import ConnectionSocket
 from coordinator.core.events import Event, PeerConnected, PeerDisconnected
 
-if TYPE_CHECKING:
-    from coordinator.server.connection_gate import SocketGate
+
+class ConnectionWatcher(Protocol):
+    """Hears every connection accepted and closed (server.connection_gate's budgets)."""
+
+    def accepted(self, fd: int) -> bool:
+        """False: the connection was refused (and is being shut down)."""
+        ...
+
+    def disconnected(self, fd: int) -> None: ...
 
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 _HEADER = struct.Struct("=Hi")  # event id, value (the descriptor)
@@ -114,7 +121,7 @@ class PeerConnections:
         name: ConnectionSocket,
         ids: Iterator[int],
         feed: Callable[[Event], None],
-        gate: SocketGate | None = None,
+        gate: ConnectionWatcher | None = None,
     ) -> None:
         self.name = name
         self._gate = gate
