@@ -3,7 +3,7 @@
 A peer that opens connections and never greets costs the coordinator a
 descriptor each. Past the open-file limit libzmq aborts the process over ipc
 (``Too many open files (src/ipc_listener.cpp)``) and spins its I/O thread over
-tcp. Here the coordinator runs under a limit of 1,024 (soft and hard) and a
+tcp. Here the coordinator runs under a limit of 2,048 (soft and hard) and a
 raw peer opens three times as many connections to its ``frontend`` socket:
 the process must live, keep its descriptors below the limit, refuse (and
 count) the connections past the socket's budget, handshake an engine on its
@@ -34,7 +34,7 @@ from tests.vllm_peers import RawEngine, RawFrontend, wait_until
 
 Ctx = zmq.Context[zmq.Socket[bytes]]
 
-LIMIT = 1024
+LIMIT = 2048
 FLOOD = 3 * LIMIT
 FLOOD_DEADLINE_S = 30.0
 HOLD_S = 3.0
