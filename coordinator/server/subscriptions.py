@@ -12,14 +12,21 @@ clients, subscribe to everything: the empty topic, once per connection. So on
 
 * a message is at most ``PUBLISH_UPSTREAM_MAX_MESSAGE_BYTES`` (libzmq drops a
   connection whose frame is larger, before it is filed), which bounds a topic;
-* libzmq files at most ``PUBLISH_UPSTREAM_RCVHWM`` messages of a connection
-  before the coordinator reads them, which bounds what one connection holds
-  before it is judged;
+* libzmq takes in at most ``PUBLISH_UPSTREAM_RCVHWM`` messages of a connection
+  before the coordinator's thread has filed them, which paces its reading of a
+  flooding peer to the coordinator's (without it, a flood grew the process
+  about twenty times as much);
 * a subscription to any other topic is refused: counted as
   ``refused.subscriptions.<socket>``, logged (a WARNING, at most one per log
   interval), not passed on, and its connection (from the message's
   descriptor) is shut down, so libzmq drops the connection and every topic it
   filed for it. A cancellation of such a topic holds nothing and is dropped.
+
+What this does not bound: libzmq files the topics it reads in the coordinator's
+own thread (while the socket processes its commands) before the coordinator
+sees the first of them, and keeps reading while the peer keeps writing. So a
+peer that writes topics without pause holds the loop, and the memory of its
+topics, until it pauses; only then is its connection closed (docs/OPERATIONS.md).
 """
 
 from __future__ import annotations
