@@ -12,10 +12,10 @@ clients, subscribe to everything: the empty topic, once per connection. So on
 
 * a message is at most ``PUBLISH_UPSTREAM_MAX_MESSAGE_BYTES`` (libzmq drops a
   connection whose frame is larger, before it is filed), which bounds a topic;
-* libzmq takes in at most ``PUBLISH_UPSTREAM_RCVHWM`` messages of a connection
-  before the coordinator's thread has filed them, which paces its reading of a
-  flooding peer to the coordinator's (without it, a flood grew the process
-  about twenty times as much);
+* libzmq takes in at most ``PUBLISH_UPSTREAM_RCVHWM`` message of a connection
+  before the coordinator's thread has filed it, which paces its reading of a
+  flooding peer to the coordinator's (with libzmq's default of 1,000 a flood
+  grew the process several times as much, and stalled the loop for seconds);
 * a subscription to any other topic is refused: counted as
   ``refused.subscriptions.<socket>``, logged (a WARNING, at most one per log
   interval), not passed on, and its connection (from the message's

@@ -136,8 +136,8 @@ def test_a_topic_flood_costs_bounded_memory_and_publishes_stay_on_schedule(
     print(f"\nRSS +{grown_mib:.1f} MiB over {baseline / 1024:.0f} MiB; {len(publishes)} "
           f"full publishes, longest gap {max(gaps, default=0.0):.2f} s; {sent} topics written "
           f"({[count.value // PUBLISH_UPSTREAM_MAX_MESSAGE_BYTES for count in counts]})")
-    # Without the guard this flood grew the process by about 580 MiB; with it by 90 to
-    # 215 MiB: the topics ZeroMQ files in the coordinator's thread before it sees the
+    # Without the guard this flood grew the process by about 580 MiB; with it by 25 to
+    # 174 MiB: the topics ZeroMQ files in the coordinator's thread before it sees the
     # first (docs/OPERATIONS.md, Bounds).
     assert grown_mib < 300, f"RSS grew by {grown_mib:.0f} MiB under the topic flood"
     # Publishes are due every 100 ms; the bound leaves room for a loaded machine.
