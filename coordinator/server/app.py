@@ -29,7 +29,6 @@ from collections.abc import Callable, Mapping, Sequence
 
 import zmq
 
-from coordinator import __version__
 from coordinator.core.actions import (
     Action,
     CloseConnection,
@@ -44,7 +43,7 @@ from coordinator.core.actions import (
     SetLinger,
     StopProcess,
 )
-from coordinator.core.coordinator import CoordinatorCore, CoreConfig
+from coordinator.core.coordinator import CoordinatorCore
 from coordinator.core.events import (
     DUMP_RECORDER,
     Bound,
@@ -61,6 +60,7 @@ from coordinator.protocol import vllm
 from coordinator.protocol.addresses import SOCKET_KEYS
 from coordinator.server.bootstrap import BootstrapServer, bootstrap_server
 from coordinator.server.config import ServerConfig
+from coordinator.server.connection_gate import ConnectionGate
 from coordinator.server.connections import PeerConnections
 from coordinator.server.curve import CurveKeyError, CurveServer, load_client_keys
 from coordinator.server.feeders import Feeders
@@ -73,6 +73,7 @@ from coordinator.server.sockets import bind_admin, binds_tcp, socket_specs
 from coordinator.server.statefile import check_writable, load_state, save_state
 from coordinator.server.stats_reader import StatsReader
 from coordinator.server.stopping import StopControl
+from coordinator.server.subscriptions import SubscriptionGuard
 from coordinator.server.timers import CoreTimer
 from coordinator.server.transport import (
     FrameHandler,
@@ -90,26 +91,6 @@ log = logging.getLogger("coordinator.server")
 MONITORED: Mapping[str, ConnectionSocket] = {"handshake": "handshake", "dispatch": "dispatch"}
 
 
-def core_config(cfg: ServerConfig, admin_keys: frozenset[str] = frozenset()) -> CoreConfig:
-    """The rules' share of the process's settings (``admin_keys`` read from their files)."""
-    return CoreConfig(
-        rank_start=cfg.rank_start, engines=cfg.engines, frontends=cfg.frontends,
-        max_frontends=cfg.max_frontends, max_in_flight=cfg.max_in_flight,
-        lockstep=cfg.lockstep, lease_ttl_s=cfg.lease_ttl_s,
-        handshake_ttl_s=cfg.handshake_timeout_s, publish_interval_s=cfg.publish_interval_s,
-        heartbeat_s=cfg.heartbeat_s, first_publish_delay_s=cfg.first_publish_delay_s,
-        policy=cfg.policy, row_width=cfg.row_width,
-        frontend_wake=cfg.frontend_wake, require_supported_vllm=cfg.require_supported_vllm,
-        watchdog_stall_s=cfg.watchdog_stall_s, watchdog_rewake=cfg.watchdog_rewake,
-        recorder_size=cfg.recorder_size, persist=cfg.state_file is not None,
-        admin_keys=admin_keys, min_engines=cfg.min_engines, max_engines=cfg.max_engines,
-        frontend_lease_ttl_s=cfg.frontend_lease_ttl_s,
-        kv=cfg.kv_settings(), prefix_slack_tokens=cfg.prefix_slack_tokens,
-        version=__version__,
-        kv_bootstrap=cfg.bootstrap_settings(),
-    )
-
-
 class AddressFileError(Exception):
     """The address file cannot be written (a configuration error)."""
 
@@ -125,7 +106,7 @@ class CoordinatorServer:
         if config.admin_keys_dir is not None:
             admin_keys = frozenset(key.decode("ascii")
                                    for key in load_client_keys(config.admin_keys_dir))
-        self.core = CoordinatorCore(core_config(config, admin_keys), rng=random.Random(),
+        self.core = CoordinatorCore(config.core_config(admin_keys), rng=random.Random(),
                                     now=clock())
         self.addresses: dict[str, str] = {}
         self.http: HttpEndpoints | None = None
@@ -169,7 +150,10 @@ class CoordinatorServer:
         # One handler per socket: frames in, actions carried out.
         self.feeders = Feeders(self.core, clock, self.execute, self.decision_times,
                                self._connections)
-        self.frame_handlers: dict[str, FrameHandler] = self.feeders.handlers()
+        self.gate = ConnectionGate(config.engines, config.frontends, config.log_interval_s, clock)
+        self.subscriptions = SubscriptionGuard(self.gate, config.log_interval_s, clock)
+        self.frame_handlers: dict[str, FrameHandler] = self.subscriptions.guarded(
+            self.feeders.handlers())
         self._admin_dir: str | None = None
 
     # ---- setup and teardown -------------------------------------------------
@@ -262,9 +246,10 @@ class CoordinatorServer:
         def configure(sock: zmq.Socket[bytes]) -> None:
             if curve is not None:
                 curve.configure_socket(sock)
+            gate = self.gate.attach(key, sock, monitored=key in MONITORED)
             if key in MONITORED:
                 self._connections[key] = PeerConnections(sock, MONITORED[key], self._conn_ids,
-                                                         self._feed)
+                                                         self._feed, gate)
 
         return configure
 
@@ -280,6 +265,7 @@ class CoordinatorServer:
         for connections in self._connections.values():
             connections.close()
         self._connections.clear()
+        self.gate.close()
         if self.kv_plane is not None:
             self.kv_plane.close()
         for sock in self._sockets.values():
@@ -333,17 +319,17 @@ class CoordinatorServer:
             connections = self._connections.get(key)
             self._readers[key] = FrameReader(
                 self._sockets[key], handler, name=key, on_error=self._handler_failed,
-                source=connections.source if connections else None,
+                source=connections.source if connections else self.subscriptions.source(key),
                 max_message_bytes=self.config.max_message_bytes(key),
                 on_oversize=feeders.oversize(key, self.config.max_message_bytes(key)),
                 on_peer=feeders.on_frontend_peer if (
                     key == "frontend" and self.curve is not None) else None,
                 on_address=feeders.on_dispatch_peer if (
                     key == "dispatch" and binds_tcp(self.config, "dispatch")) else None)
-        for key, connections in self._connections.items():
+        monitors = {key: (c.monitor, c.on_monitor_message) for key, c in self._connections.items()}
+        for key, (monitor, on_event) in {**monitors, **self.gate.monitors()}.items():
             self._readers[f"{key}.monitor"] = FrameReader(
-                connections.monitor, connections.on_monitor_message,
-                name=f"{key}.monitor", on_error=self._handler_failed)
+                monitor, on_event, name=f"{key}.monitor", on_error=self._handler_failed)
         self._readers["back_output"] = StatsReader(
             self._sockets["back_output"], self.core, self.execute, clock=self.clock,
             on_error=self._handler_failed,
@@ -393,7 +379,7 @@ class CoordinatorServer:
                           exc_info=exc)
 
     def _own_counters(self) -> Mapping[str, int]:
-        counters = dict(self.counters)
+        counters = {**self.counters, **self.gate.counters(), **self.subscriptions.counters()}
         if self.curve is not None:
             counters.update(self.curve.counters())
         return counters

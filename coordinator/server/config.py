@@ -6,6 +6,7 @@ import ipaddress
 import socket
 from dataclasses import dataclass, field
 
+from coordinator import __version__
 from coordinator.core.bootstrap.payload import MAX_PARALLEL_SIZE
 from coordinator.core.config import BootstrapSettings, CoreConfig
 from coordinator.core.dispatch.prefix_policy import PREFIX_POLICY
@@ -18,6 +19,7 @@ from coordinator.server.transport import (
     DEFAULT_MAX_ENGINE_MESSAGE_BYTES,
     DEFAULT_MAX_REQUEST_BYTES,
     KV_EVENTS_MAX_MESSAGE_BYTES,
+    PUBLISH_UPSTREAM_MAX_MESSAGE_BYTES,
 )
 
 CORE_DEFAULTS = CoreConfig(rank_start=0, engines=1)
@@ -137,6 +139,25 @@ class ServerConfig:
             return "127.0.0.1"
         return "0.0.0.0" if host == "*" else host
 
+    def core_config(self, admin_keys: frozenset[str] = frozenset()) -> CoreConfig:
+        """The rules' share of the process's settings (``admin_keys`` read from their files)."""
+        return CoreConfig(
+            rank_start=self.rank_start, engines=self.engines, frontends=self.frontends,
+            max_frontends=self.max_frontends, max_in_flight=self.max_in_flight,
+            lockstep=self.lockstep, lease_ttl_s=self.lease_ttl_s,
+            handshake_ttl_s=self.handshake_timeout_s,
+            publish_interval_s=self.publish_interval_s, heartbeat_s=self.heartbeat_s,
+            first_publish_delay_s=self.first_publish_delay_s, policy=self.policy,
+            row_width=self.row_width, frontend_wake=self.frontend_wake,
+            require_supported_vllm=self.require_supported_vllm,
+            watchdog_stall_s=self.watchdog_stall_s, watchdog_rewake=self.watchdog_rewake,
+            recorder_size=self.recorder_size, persist=self.state_file is not None,
+            admin_keys=admin_keys, min_engines=self.min_engines, max_engines=self.max_engines,
+            frontend_lease_ttl_s=self.frontend_lease_ttl_s,
+            kv=self.kv_settings(), prefix_slack_tokens=self.prefix_slack_tokens,
+            version=__version__, kv_bootstrap=self.bootstrap_settings(),
+        )
+
     def kv_settings(self) -> KVSettings | None:
         """What to follow of the engines' KV events: all of it for the prefix policy, the
         configured publishers otherwise, nothing without either."""
@@ -155,7 +176,9 @@ class ServerConfig:
         """The bound on one message (all frames) read on socket ``key``."""
         if key == "frontend":
             return self.max_request_bytes
-        if key in ("back_publish", "front_publish", "admin"):
+        if key in ("back_publish", "front_publish"):
+            return PUBLISH_UPSTREAM_MAX_MESSAGE_BYTES
+        if key == "admin":
             return CONTROL_MAX_MESSAGE_BYTES
         if key == "kv_events":
             return KV_EVENTS_MAX_MESSAGE_BYTES

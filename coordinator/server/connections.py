@@ -39,11 +39,22 @@ import os
 import socket
 import struct
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 import zmq
 
 from coordinator.core.actions import ConnectionSocket
 from coordinator.core.events import Event, PeerConnected, PeerDisconnected
+
+
+class ConnectionWatcher(Protocol):
+    """Hears every connection accepted and closed (server.connection_gate's budgets)."""
+
+    def accepted(self, fd: int) -> bool:
+        """False: the connection was refused (and is being shut down)."""
+        ...
+
+    def disconnected(self, fd: int) -> None: ...
 
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 _HEADER = struct.Struct("=Hi")  # event id, value (the descriptor)
@@ -110,8 +121,10 @@ class PeerConnections:
         name: ConnectionSocket,
         ids: Iterator[int],
         feed: Callable[[Event], None],
+        gate: ConnectionWatcher | None = None,
     ) -> None:
         self.name = name
+        self._gate = gate
         self.monitor: zmq.Socket[bytes] = sock.get_monitor_socket(_EVENTS)
         self._sock = sock
         self._ids = ids
@@ -140,11 +153,16 @@ class PeerConnections:
             return
         event, fd = _HEADER.unpack(frames[0])
         if event == zmq.EVENT_ACCEPTED:
+            if self._gate is not None and not self._gate.accepted(fd):
+                self._by_fd.pop(fd, None)  # refused: its messages name no connection
+                return
             conn = next(self._ids)
             self._by_fd[fd] = conn
             self._open[conn] = fd
             self._feed(PeerConnected(self.name, conn, describe_peer(fd)))
         elif event == zmq.EVENT_DISCONNECTED:
+            if self._gate is not None:
+                self._gate.disconnected(fd)
             conn = self._by_fd.get(fd, 0)
             if conn > 0:
                 self._by_fd[fd] = -conn

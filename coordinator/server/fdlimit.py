@@ -12,11 +12,12 @@ Linux starts most processes with a soft ``RLIMIT_NOFILE`` of 1,024, which
 holds about 240 engines handshaking at once (bench/README.md). libzmq does not
 survive running out: over ipc it aborts the process (``Too many open files
 (src/ipc_listener.cpp:...)``), over tcp it stops accepting and the handshake
-hangs. So the limit is settled at start-up, before any socket exists: if the
-soft limit is below what the configured group needs, it is raised to the hard
-limit (as much headroom as the process may have, against connections beyond
-the plan); if even the hard limit is too low, the coordinator refuses to
-start and says how many descriptors it needs and how to allow them.
+hangs. So the limit is settled at start-up, before any socket exists: the
+soft limit is raised to the hard limit (as much headroom as the process may
+have: peers can open connections beyond the plan, and the connection budgets
+of server.connection_gate are shares of this limit); if even the hard limit
+is below what the configured group needs, the coordinator refuses to start
+and says how many descriptors it needs and how to allow them.
 """
 
 from __future__ import annotations
@@ -58,11 +59,10 @@ def _show(limit: int) -> str:
 
 
 def ensure_descriptors(engines: int, frontends: int) -> LimitCheck:
-    """Raise the soft ``RLIMIT_NOFILE`` to the hard limit if the group needs more than it."""
+    """Raise the soft ``RLIMIT_NOFILE`` to the hard limit, or refuse if the group needs more."""
     needed = descriptors_needed(engines, frontends)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY or soft >= needed:
-        return LimitCheck(needed, soft, hard)
+    target = UNLIMITED_TARGET if hard == resource.RLIM_INFINITY else hard
     if hard != resource.RLIM_INFINITY and hard < needed:
         return LimitCheck(needed, soft, hard, refusal=(
             f"{engines} engines and {max(frontends, MIN_FRONTENDS)} frontends need about "
@@ -73,13 +73,16 @@ def ensure_descriptors(engines: int, frontends: int) -> LimitCheck:
             f"(as root, or after raising the hard limit), LimitNOFILE={needed} in a systemd "
             f"unit, --ulimit nofile={needed}:{needed} for docker, or a nofile line in "
             f"/etc/security/limits.conf"))
-    target = UNLIMITED_TARGET if hard == resource.RLIM_INFINITY else hard
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return LimitCheck(needed, soft, hard)
     for attempt in (target, needed):
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (attempt, hard))
         except (ValueError, OSError):
             continue
         return LimitCheck(needed, soft, hard, raised_to=attempt)
+    if soft >= needed:
+        return LimitCheck(needed, soft, hard)  # not raised, but the group fits
     return LimitCheck(needed, soft, hard, refusal=(
         f"{engines} engines need about {needed} open files, the soft limit is {_show(soft)} "
         f"and it could not be raised (hard limit {_show(hard)}); start the coordinator with "

@@ -54,6 +54,8 @@ def run_server(config: ServerConfig, *, print_addresses: bool = True) -> int:
     if limit.raised_to is not None:
         log.info("raised the open-file limit from %d to %d (this group needs about %d)",
                  limit.soft, limit.raised_to, limit.needed)
+    else:
+        log.info("open-file limit %d (this group needs about %d)", limit.soft, limit.needed)
     # The address file tells launchers we are up, and they may stop us at once: hold
     # SIGTERM/SIGINT until the loop's handlers can close sockets and remove files.
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)

@@ -12,7 +12,7 @@ from coordinator.core.ranks import liveness
 from coordinator.server.config import ServerConfig
 from coordinator.server.stats_reader import BACK_OUTPUT_RCVHWM
 from coordinator.server.tempdirs import make_own_dir, sweep_stale_dirs
-from coordinator.server.transport import bind_socket
+from coordinator.server.transport import PUBLISH_UPSTREAM_RCVHWM, bind_socket
 
 SocketSpec = tuple[str, int, list[tuple[int, int]]]
 
@@ -39,6 +39,7 @@ def socket_specs(config: ServerConfig) -> list[SocketSpec]:
     limit_ms = int(liveness.TCP_SILENCE_LIMIT_S * 1000)
     tcp_pings = [*pings, (zmq.HEARTBEAT_TIMEOUT, limit_ms)]
     dispatch = tcp_pings if binds_tcp(config, "dispatch") else heartbeats
+    publish: list[tuple[int, int]] = [(zmq.XPUB_VERBOSE, 1), (zmq.RCVHWM, PUBLISH_UPSTREAM_RCVHWM)]
     return [
         # No ROUTER_HANDOVER on either: a rank's identity belongs to the first live
         # connection that carries it, and libzmq turns a second one away, silently,
@@ -48,8 +49,9 @@ def socket_specs(config: ServerConfig) -> list[SocketSpec]:
         ("dispatch", zmq.ROUTER, [(zmq.ROUTER_MANDATORY, 1), (zmq.SNDHWM, 0), *dispatch]),
         # Bounded, unlike vLLM's: see BACK_OUTPUT_RCVHWM.
         ("back_output", zmq.PULL, [(zmq.RCVHWM, BACK_OUTPUT_RCVHWM)]),
-        ("back_publish", zmq.XPUB, [(zmq.XPUB_VERBOSE, 1)]),
-        ("front_publish", zmq.XPUB, [(zmq.XPUB_VERBOSE, 1)]),
+        # Topics are bounded in server.subscriptions.
+        ("back_publish", zmq.XPUB, publish),
+        ("front_publish", zmq.XPUB, publish),
         ("frontend", zmq.ROUTER, [(zmq.ROUTER_MANDATORY, 1), (zmq.ROUTER_HANDOVER, 1)]),
     ]
 

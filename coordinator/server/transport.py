@@ -33,8 +33,15 @@ DEFAULT_MAX_REQUEST_BYTES = 16 * MIB
 DEFAULT_MAX_ENGINE_MESSAGE_BYTES = 1 * MIB
 """``handshake``, ``dispatch``, ``back_output``: HELLO/READY, greetings, stats reports."""
 CONTROL_MAX_MESSAGE_BYTES = 64 * 1024
-"""Upstream of ``back_publish`` and ``front_publish`` (subscriptions, SCALE_ELASTIC_EP),
-and the operators' ``admin`` socket."""
+"""The operators' ``admin`` socket."""
+PUBLISH_UPSTREAM_MAX_MESSAGE_BYTES = 512
+"""Upstream of ``back_publish`` and ``front_publish``: subscriptions, SCALE_ELASTIC_EP and
+legacy wakes are a few bytes, a CURVE handshake (INITIATE with its metadata) about 300.
+A topic is filed by libzmq at about 44 bytes of memory a byte (server.subscriptions)."""
+PUBLISH_UPSTREAM_RCVHWM = 1
+"""Messages of one publish-socket connection libzmq takes in before the coordinator has
+read them: a peer sends one subscription (rarely a wake or a scale request) and the rest
+waits on its own side, which paces a flooding peer to the coordinator (server.subscriptions)."""
 KV_EVENTS_MAX_MESSAGE_BYTES = 16 * MIB
 """A batch from an engine's KV event publisher, live or replayed."""
 
@@ -209,7 +216,7 @@ class FrameReader:
                 fd = self._last_fd
             else:
                 frames = [frame.bytes]
-                fd = int(frame.get(zmq.SRCFD)) if source is not None else -1
+                fd = source_fd(frame) if source is not None else -1
             try:
                 if source is not None:
                     source(fd)
@@ -239,7 +246,7 @@ class FrameReader:
                 continue
             frames.append(frame.bytes)
         if self._source is not None:
-            self._last_fd = int(frame.get(zmq.SRCFD))
+            self._last_fd = source_fd(frame)
         del frame, first
         if not over:
             return frames
@@ -250,6 +257,15 @@ class FrameReader:
             except Exception as exc:
                 self._on_error(self._name, exc)
         return None
+
+
+def source_fd(frame: zmq.Frame) -> int:
+    """The descriptor of the connection ``frame`` came on, or -1: an XPUB's own
+    cancellations (of a closed connection's topics) came on none."""
+    try:
+        return int(frame.get(zmq.SRCFD))
+    except zmq.ZMQError:
+        return -1
 
 
 def peer_user_id(frame: zmq.Frame) -> str | None:

@@ -7,7 +7,6 @@ import dataclasses
 
 from coordinator.cli import build_parser
 from coordinator.core.config import CoreConfig
-from coordinator.server.app import core_config
 from coordinator.server.config import ServerConfig
 
 # ServerConfig's name for a CoreConfig setting, where they differ.
@@ -27,7 +26,7 @@ def serve_defaults() -> dict[str, object]:
 def test_a_servers_default_settings_are_the_cores_defaults() -> None:
     from coordinator import __version__
 
-    assert core_config(ServerConfig(engines=3, rank_start=2)) == CoreConfig(
+    assert ServerConfig(engines=3, rank_start=2).core_config() == CoreConfig(
         rank_start=2, engines=3, version=__version__)
 
 
