@@ -165,6 +165,7 @@ class FrontendReader:
         self.drains += 1
         recv = self._sock.recv
         handle, run, on_error = self._core.handle, self._run, self._on_error
+        group_paused = self._core.group_paused
         limit = self._max_message_bytes
         curve = self._curve
         request_type = FrontendRequestReceived
@@ -184,9 +185,11 @@ class FrontendReader:
                 event = self._take(first, recv, limit, user_id)
                 if event is None:
                     continue
-                if (type(event) is request_type
-                        and type(event.message) in (submit_type, route_type)
-                        and now >= self._next_timed):
+                # A wave's first request is never timed: reading the thread's CPU clock
+                # is a system call (a point where a busy host preempts) before its wake.
+                if (type(event) is request_type and now >= self._next_timed and (
+                        type(event.message) is route_type or (
+                            type(event.message) is submit_type and not group_paused()))):
                     actions = self._timed(event, now)
                 else:
                     actions = handle(event, now)

@@ -137,6 +137,9 @@ class RecordingCore:
         self._core = core
         self._log = log
 
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._core, name)
+
     def handle(self, event: Event, now: float) -> Sequence[Action]:
         if isinstance(event, FrontendRequestReceived):
             self._log.append(("decide", getattr(event.message, "request_id", None)))

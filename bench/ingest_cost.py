@@ -1,0 +1,103 @@
+"""Stats ingest per message, against a no-logic reader (``python -m bench.profile ingest``).
+
+One process, an inproc PUSH -> PULL pair (no I/O thread, so only the reading thread's
+work is timed), a core of 64 ranks (``bench.core_cost.group``) and the server's own
+``StatsReader``. Batches of 256 vLLM 0.33 stats reports (the load processes'
+18-key template) from the 64 engines in turn, four per engine per batch, as a flood
+gives them; in lockstep their step moves every round of 64. Per message, in µs:
+
+* ``no-logic reader``: the reader's own receive loop (``StatsReader._receive``),
+  every frame taken off the socket and dropped;
+* ``receive + plan``: that, and the batch plan (peeks, envelope checks, the decodes
+  of the reports that are kept) without the core;
+* ``whole drain``: ``StatsReader.read_batch``, the core applying what is kept.
+
+The minimum over ``repeats`` runs of ``batches`` batches each, in one run of this
+module, so the three figures share the machine's state.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import zmq
+
+from bench import core_cost
+from bench.wire import StatsTemplate
+from coordinator.server.stats_reader import StatsReader, plan_batch
+
+ENGINES = 64
+BATCH = 256
+
+
+def _fill(push: zmq.Socket[bytes], templates: list[StatsTemplate], batches: int,
+          start: int) -> int:
+    counter = start
+    for _ in range(batches * BATCH):
+        template = templates[counter % ENGINES]
+        push.send(bytes(template.set_counter(counter, counter // ENGINES)))
+        counter += 1
+    return counter
+
+
+def measure(batches: int = 40, repeats: int = 5) -> list[tuple[str, float]]:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.RCVHWM, 0)
+    pull.bind("inproc://ingest")
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.SNDHWM, 0)
+    push.connect("inproc://ingest")
+    core = core_cost.group(ENGINES)
+    runner = core_cost.null_runner(core)
+    reader = StatsReader(pull, core, runner.run, clock=lambda: 1.0,
+                         on_error=lambda name, exc: None, max_message_bytes=1 << 20,
+                         batch=BATCH)
+    templates = [StatsTemplate(rank) for rank in range(ENGINES)]
+    counter = 0
+
+    def receive_only() -> None:
+        reader._receive()
+
+    def receive_and_plan() -> None:
+        plan_batch(reader._receive(), core.rank_range, core.skippable_wave(),
+                   core.step_state())
+
+    def whole() -> None:
+        reader.read_batch()
+
+    results = []
+    try:
+        for name, drain in (("no-logic reader (receive and drop)", receive_only),
+                            ("receive + plan (no core)", receive_and_plan),
+                            ("whole drain (StatsReader.read_batch)", whole)):
+            best = float("inf")
+            for _ in range(repeats):
+                counter = _fill(push, templates, batches, counter)
+                best = min(best, _timed(drain, batches))
+            results.append((name, best / (batches * BATCH) * 1e6))
+    finally:
+        push.close(0)
+        pull.close(0)
+        ctx.term()
+    return results
+
+
+def _timed(drain: Callable[[], None], batches: int) -> float:
+    started = time.perf_counter()
+    for _ in range(batches):
+        drain()
+    return time.perf_counter() - started
+
+
+def main(batches: int, repeats: int) -> int:
+    results = measure(batches, repeats)
+    print(f"stats ingest per message, {ENGINES} engines, batches of {BATCH} "
+          f"(min of {repeats} x {batches} batches):")
+    print("| step | µs per message |\n|---|---:|")
+    for name, cost in results:
+        print(f"| {name} | {cost:.2f} |")
+    floor = results[0][1]
+    print(f"\nwhole drain / no-logic reader: {results[-1][1] / floor:.2f}x")
+    return 0
