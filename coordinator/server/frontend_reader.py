@@ -11,8 +11,9 @@ Theory of operation
 * **Reading.** The socket's FD is watched with ``loop.add_reader`` and a drain
   runs in the callback: no task switch. A drain takes up to ``batch`` messages
   with NOBLOCK reads; a full batch hands the loop back (``call_soon``) so that
-  timers and the other sockets get their turn, while the FD is not watched.
-  Nothing waits for a batch to fill: a message is read at once.
+  timers and the other sockets get their turn. The FD stays watched (there is
+  no wait between drains to spin through), and nothing waits for a batch to
+  fill: a message is read at once.
 * **Per message, in arrival order.** Each message is taken off the socket,
   decoded, given to the core and its actions carried out (``run``) before the
   next message is read. So the core hears an outcome (a failed ADD) before the
@@ -121,7 +122,7 @@ class FrontendReader:
 
     def _watch(self) -> None:
         if not self._watching and self._loop is not None:
-            self._loop.add_reader(self._fd, self._drain)
+            self._loop.add_reader(self._fd, self._on_readable)
             self._watching = True
 
     def _unwatch(self) -> None:
@@ -133,9 +134,14 @@ class FrontendReader:
     def _schedule(self) -> None:
         if self._loop is None:
             raise RuntimeError("the frontend reader is not running")
-        self._unwatch()
         if self._pending is None:
             self._pending = self._loop.call_soon(self._scheduled_drain)
+
+    def _on_readable(self) -> None:
+        # The FD stays watched throughout (uvloop makes a poll handle per add_reader, too
+        # dear to flap per drain); a drain already due reads whatever raised the edge.
+        if self._pending is None:
+            self._drain()
 
     def _scheduled_drain(self) -> None:
         self._pending = None
@@ -150,8 +156,6 @@ class FrontendReader:
         finally:
             if full:
                 self._schedule()  # more is waiting: after the loop's other work
-            elif self._pending is None:
-                self._watch()
             # After the drain's sends: a reply may have swallowed a read edge.
             try:
                 self._settle()
