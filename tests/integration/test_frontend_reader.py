@@ -11,6 +11,7 @@ its drain is even decided.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import Sequence
@@ -28,6 +29,7 @@ from coordinator.protocol import vllm
 from coordinator.server.app import CoordinatorServer
 from coordinator.server.config import ServerConfig
 from coordinator.server.frontend_reader import FrontendReader
+from coordinator.server.sending import poke_if_readable, send_routed
 from tests.conftest import CoordinatorFactory
 from tests.vllm_peers import (
     RawEngine,
@@ -214,4 +216,55 @@ def test_a_first_request_is_sent_and_its_wake_published_before_the_drain_goes_on
     finally:
         for sock in socks:
             sock.close(0)
+        server.close()
+
+
+async def test_the_reader_reads_on_after_a_send_swallowed_its_read_edge(
+        tmp_path: os.PathLike[str]) -> None:
+    """A request arrives while the loop is busy, then a send on the same socket lets
+    libzmq clear the FD: the look after the send (the server's ``settle``) pokes the
+    reader, which reads the request; with nothing waiting it is not woken."""
+    server = CoordinatorServer(ServerConfig(engines=2, ipc_dir=os.path.join(tmp_path, "ipc")))
+    server.bind()
+    ctx: Ctx = zmq.Context()
+    client = ctx.socket(zmq.DEALER)
+    client.setsockopt(zmq.IDENTITY, b"\x00fe-poke")
+    client.connect(server.addresses["frontend"])
+    router = server.sock("frontend")
+    pokes: list[int] = []
+
+    def settle() -> None:
+        server.settle()
+        poke_if_readable(router, lambda: (pokes.append(1), reader.poke()))
+
+    reader = FrontendReader(
+        router, server.core, server._runner.run, settle, clock=time.monotonic,
+        on_error=lambda name, exc: None, on_oversize=lambda kept, total, count: None,
+        observe_decision=lambda seconds: None, max_message_bytes=1 << 20)
+    task = asyncio.ensure_future(reader.run())
+
+    async def received(timeout: float = 10.0) -> bytes:
+        deadline = time.monotonic() + timeout
+        while not client.poll(0):
+            assert time.monotonic() < deadline, "nothing arrived"
+            await asyncio.sleep(0.01)
+        return client.recv()
+
+    try:
+        client.send(fp.encode(fp.QueryState(1)))
+        assert isinstance(fp.decode_reply(await received()), fp.StateReply)
+        assert pokes == []  # the reply found nothing waiting: no wake-up
+        client.send(fp.encode(fp.QueryState(2)))
+        time.sleep(0.1)  # the loop is busy while libzmq signals the FD
+        send_routed(router, b"\x00fe-poke", [b"a notice"])
+        settle()
+        assert pokes == [1]
+        assert await received() == b"a notice"
+        second = fp.decode_reply(await received())
+        assert isinstance(second, fp.StateReply) and second.call_id == 2
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        client.close(0)
+        ctx.term()
         server.close()
