@@ -60,6 +60,8 @@ already under 1% of a submit at this size."""
 
 # A plain int: pyzmq converts its flag enums on every call.
 _NOBLOCK = int(zmq.NOBLOCK)
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
 
 
 class FrontendReader:
@@ -169,7 +171,8 @@ class FrontendReader:
     def read_batch(self) -> int:
         """Read, decide and carry out up to a batch of messages; return how many were read."""
         self.drains += 1
-        recv = self._sock.recv
+        recv, sock_get = self._sock.recv, self._sock.get
+        events, pollin = _EVENTS, _POLLIN
         handle, run, on_error = self._core.handle, self._run, self._on_error
         group_paused = self._core.group_paused
         limit = self._max_message_bytes
@@ -179,6 +182,11 @@ class FrontendReader:
         now = self._clock()
         count = 0
         while count < self._batch:
+            # After a first message, ask whether another waits rather than let a receive
+            # fail: an EAGAIN costs pyzmq an exception (2.7 µs against 0.9), and at
+            # ordinary rates a drain holds one request.
+            if count == 1 and not int(sock_get(events)) & pollin:
+                break
             try:
                 # copy=False gives the "more" flag with the frame, saving a
                 # getsockopt(RCVMORE) per frame.
