@@ -4,6 +4,8 @@
     python -m bench.profile cpu            # 256 ranks x 50 stats/s + 2,000 submits/s
     python -m bench.profile dispatch --seconds 8 --reps 3
     python -m bench.profile scale --engines 1024 --delay 0.5 --seconds 14
+    python -m bench.profile core           # the core's per-submit work alone, step by step
+    python -m bench.profile ingest         # stats ingest per message vs a no-logic reader
 
 Runs `python -m bench --quick --scenario NAME` with our coordinator alone (no
 floor, no peer, no asyncio twin), waits for the `serve --engines N` process of
@@ -76,7 +78,7 @@ def summarize(path: str, top: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.profile",
                                      description=(__doc__ or "").split("\n", 1)[0])
-    parser.add_argument("scenario", choices=sorted(ENGINES))
+    parser.add_argument("scenario", choices=[*sorted(ENGINES), "core", "ingest"])
     parser.add_argument("--engines", type=int, default=None,
                         help="the scenario's rank count, to find its coordinator (default: "
                         "the quick plan's)")
@@ -87,7 +89,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=30, help="lines per list")
     parser.add_argument("--out", default=os.path.join(RESULTS_DIR, "quick", "profile"),
                         help="where the raw stacks go")
+    parser.add_argument("--number", type=int, default=2000,
+                        help="core: calls per timed run")
+    parser.add_argument("--repeats", type=int, default=7, help="core: timed runs per step")
     args = parser.parse_args(argv)
+    if args.scenario == "core":
+        from bench import core_cost
+        return core_cost.main(args.engines or 64, args.number, args.repeats)
+    if args.scenario == "ingest":
+        from bench import ingest_cost
+        return ingest_cost.main(max(1, args.number // 50), args.repeats)
     spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
     if not os.path.exists(spy):
         print("py-spy is not installed: pip install py-spy", file=sys.stderr)

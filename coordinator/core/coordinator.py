@@ -236,6 +236,11 @@ class CoordinatorCore:
         """
         self._stats_superseded += count
 
+    def group_paused(self) -> bool:
+        """True while a submit would wake a lockstep group (paused, or woken and not yet
+        heard running): a reader keeps anything but the decision off that request's path."""
+        return self.config.lockstep and not self.waves.table.snapshot()[1]
+
     def skippable_wave(self) -> int:
         """The newest wave a stats report may name and change nothing but its load row.
 

@@ -337,20 +337,26 @@ def decode_request(frames: Sequence[bytes]) -> tuple[FrontendRequest, list[bytes
     """Split `[header, *payload]` into the typed header and the payload frames."""
     if not frames:
         raise ProtocolError("empty frontend message", reason="frame_count")
+    payload = list(frames[1:])
+    return decode_header(frames[0], len(payload)), payload
+
+
+def decode_header(header: bytes | bytearray | memoryview, payload_frames: int) -> FrontendRequest:
+    """The typed header of a message with ``payload_frames`` frames after it (any buffer:
+    a reader may decode straight from a received frame)."""
     try:
-        header = _request_decoder.decode(frames[0])
+        message = _request_decoder.decode(header)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ProtocolError(f"bad frontend header: {exc}", reason="decode") from None
-    payload = list(frames[1:])
-    if isinstance(header, Submit):
-        if not payload:
+    if type(message) is Submit:
+        if not payload_frames:
             raise ProtocolError("submit carries no payload frames", reason="frame_count")
-    elif payload:
-        tag = type(header).__struct_config__.tag
+    elif payload_frames:
+        tag = type(message).__struct_config__.tag
         raise ProtocolError(
-            f"'{tag}' takes no payload frames, got {len(payload)}", reason="frame_count"
+            f"'{tag}' takes no payload frames, got {payload_frames}", reason="frame_count"
         )
-    return header, payload
+    return message
 
 
 def salvage_call_id(header: bytes) -> int:

@@ -64,6 +64,7 @@ from coordinator.server.connection_gate import ConnectionGate
 from coordinator.server.connections import PeerConnections
 from coordinator.server.curve import CurveKeyError, CurveServer, load_client_keys
 from coordinator.server.feeders import Feeders
+from coordinator.server.frontend_reader import FrontendReader
 from coordinator.server.http import HttpEndpoints
 from coordinator.server.meeting_point import build_parallel_config
 from coordinator.server.observe import DecisionTimes, ObservedPusher, ObservedState
@@ -118,7 +119,7 @@ class CoordinatorServer:
         self._owns_ipc_dir = False
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._sockets: dict[str, zmq.Socket[bytes]] = {}
-        self._readers: dict[str, FrameReader | StatsReader] = {}
+        self._readers: dict[str, FrameReader | StatsReader | FrontendReader] = {}
         # Connection facts of the sockets whose peers claim ranks (server.connections).
         self._connections: dict[str, PeerConnections] = {}
         self._conn_ids = itertools.count(1)
@@ -314,7 +315,7 @@ class CoordinatorServer:
         self._readers = {}
         feeders = self.feeders
         for key, handler in self.frame_handlers.items():
-            if key == "back_output":
+            if key in ("back_output", "frontend"):
                 continue
             connections = self._connections.get(key)
             self._readers[key] = FrameReader(
@@ -322,8 +323,6 @@ class CoordinatorServer:
                 source=connections.source if connections else self.subscriptions.source(key),
                 max_message_bytes=self.config.max_message_bytes(key),
                 on_oversize=feeders.oversize(key, self.config.max_message_bytes(key)),
-                on_peer=feeders.on_frontend_peer if (
-                    key == "frontend" and self.curve is not None) else None,
                 on_address=feeders.on_dispatch_peer if (
                     key == "dispatch" and binds_tcp(self.config, "dispatch")) else None)
         monitors = {key: (c.monitor, c.on_monitor_message) for key, c in self._connections.items()}
@@ -334,6 +333,12 @@ class CoordinatorServer:
             self._sockets["back_output"], self.core, self.execute, clock=self.clock,
             on_error=self._handler_failed,
             max_message_bytes=self.config.max_message_bytes("back_output"))
+        limit = self.config.max_message_bytes("frontend")
+        self._readers["frontend"] = FrontendReader(
+            self._sockets["frontend"], self.core, self._runner.run, self.settle,
+            clock=self.clock, on_error=self._handler_failed, max_message_bytes=limit,
+            on_oversize=feeders.oversize("frontend", limit),
+            observe_decision=self.decision_times.observe, curve=self.curve is not None)
         tasks = [asyncio.ensure_future(reader.run()) for reader in self._readers.values()]
         tasks.append(asyncio.ensure_future(self._timer.run()))
         if self.kv_plane is not None:
@@ -393,6 +398,9 @@ class CoordinatorServer:
         """Carry out ``actions`` in order, then whatever the core answered to their outcomes
         (``core.runner``); then poke the readers of the sockets sent on."""
         self._runner.run(actions)
+        self.settle()
+
+    def settle(self) -> None:
         # After every send, not between them: a first request's wake leaves right
         # after its ADD, without a look at the dispatch socket in between.
         sent_on = self._sent_on

@@ -61,6 +61,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import zmq
 
@@ -122,10 +123,14 @@ def plan_batch(frames: Sequence[Pending], rank_range: range, wave_floor: int,
     report_type = vllm.EngineReport
     for index in range(len(frames) - 1, -1, -1):
         frame = frames[index]
-        if isinstance(frame, BadFrame):
-            events[index] = frame
+        if type(frame) is not bytes:  # a BadFrame already
+            events[index] = cast(BadFrame, frame)
             continue
-        rank = peek_engine_index(frame)
+        # peek_engine_index's most common case inline (a fixarray, a fixint index).
+        if len(frame) > 2 and 0x91 <= frame[0] <= 0x9F and frame[1] < 0x80:
+            rank = frame[1]
+        else:
+            rank = peek_engine_index(frame)
         if rank in later_stats:
             if steps is None:
                 if 0 <= stats_only_wave(frame, rank) <= wave_floor:
@@ -169,6 +174,7 @@ def _keep_what_snapshots_need(
     """
     step_mark, changed = steps
     last_snapshot = -1
+    report_type = vllm.EngineReport
     for index in range(len(events)):
         mark = held.get(index)
         if mark is not None:
@@ -177,9 +183,11 @@ def _keep_what_snapshots_need(
             del held[index]
             events[index] = decode_frame(frames[index])  # type: ignore[arg-type]
         event = events[index]
-        if _applies(event, rank_range):
-            stats = event.scheduler_stats  # type: ignore[union-attr]
-            report_mark = (stats.current_wave, stats.step_counter)  # type: ignore[union-attr]
+        # _applies, inline: this pass looks at every event of the batch.
+        if (type(event) is report_type and event.scheduler_stats is not None
+                and event.engine_index in rank_range):
+            stats = event.scheduler_stats
+            report_mark = (stats.current_wave, stats.step_counter)
             step_mark, taken = step_snapshot(step_mark, changed, report_mark)
             if taken:
                 last_snapshot = index
