@@ -32,7 +32,6 @@ from coordinator.core.config import BootstrapSettings
 from coordinator.core.events import Restore
 from coordinator.core.persisted import SavedState
 from coordinator.protocol.identity import rank_to_identity
-from coordinator.server.app import core_config
 from coordinator.server.config import ServerConfig
 from tests.unit.core_driver import Driver
 
@@ -385,9 +384,9 @@ def test_bad_registry_flags_are_refused_with_the_flag_named(settings_: dict[str,
 
 
 def test_the_registry_is_off_by_default_and_listens_where_the_coordinator_does() -> None:
-    assert core_config(ServerConfig(engines=2)).kv_bootstrap is None
+    assert ServerConfig(engines=2).core_config().kv_bootstrap is None
     on = ServerConfig(engines=2, kv_bootstrap_port=0, kv_bootstrap_tp_size=4)
-    assert core_config(on).kv_bootstrap == BootstrapSettings(4, 1)
+    assert on.core_config().kv_bootstrap == BootstrapSettings(4, 1)
     assert on.bootstrap_host() == "127.0.0.1"  # ipc sockets: loopback
     assert ServerConfig(engines=2, host="127.0.0.2", kv_bootstrap_port=0).bootstrap_host() \
         == "127.0.0.2"

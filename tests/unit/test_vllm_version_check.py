@@ -71,13 +71,12 @@ def test_the_message_says_why(version: str, why: str) -> None:
 
 def test_the_flag_reaches_the_core_config() -> None:
     from coordinator.cli import build_parser
-    from coordinator.server.app import core_config
     from coordinator.server.config import ServerConfig
 
     parser = build_parser()
     assert parser.parse_args(["serve", "--engines", "2", "--require-supported-vllm"]
                              ).require_supported_vllm is True
     assert parser.parse_args(["serve", "--engines", "2"]).require_supported_vllm is False
-    assert core_config(ServerConfig(engines=2, require_supported_vllm=True)
-                       ).require_supported_vllm is True
-    assert core_config(ServerConfig(engines=2)).require_supported_vllm is False
+    assert ServerConfig(engines=2, require_supported_vllm=True
+                        ).core_config().require_supported_vllm is True
+    assert ServerConfig(engines=2).core_config().require_supported_vllm is False
