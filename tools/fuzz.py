@@ -576,11 +576,14 @@ def _classify_received(socket: str, frames: tuple[bytes, ...],
         vllm.SUBSCRIBE, vllm.UNSUBSCRIBE
     ):
         try:
-            vllm.decode_front_upstream(frames[0])
+            upstream = vllm.decode_front_upstream(frames[0])
         except ProtocolError:
             return False, []
-        # SCALE_ELASTIC_EP is sent too: the coordinator under test keeps its size fixed
-        # (no --min-engines/--max-engines), so any resize must be refused.
+        # A pre-0.33 wake for a managed rank is honoured (it may start a wave): valid
+        # input, not sent. SCALE_ELASTIC_EP is sent: the coordinator under test keeps its
+        # size fixed (no --min-engines/--max-engines), so any resize must be refused.
+        if isinstance(upstream, vllm.LegacyFirstRequest):
+            return upstream.engine_index in managed, []
         return False, []
     if socket == "frontend":
         try:
