@@ -38,10 +38,10 @@ PUBLISH_UPSTREAM_MAX_MESSAGE_BYTES = 512
 """Upstream of ``back_publish`` and ``front_publish``: subscriptions, SCALE_ELASTIC_EP and
 legacy wakes are a few bytes, a CURVE handshake (INITIATE with its metadata) about 300.
 A topic is filed by libzmq at about 44 bytes of memory a byte (server.subscriptions)."""
-PUBLISH_UPSTREAM_RCVHWM = 1
+PUBLISH_UPSTREAM_RCVHWM = 16
 """Messages of one publish-socket connection libzmq takes in before the coordinator has
 read them: a peer sends one subscription (rarely a wake or a scale request) and the rest
-waits on its own side, which paces a flooding peer to the coordinator (server.subscriptions)."""
+waits on its own side (1 starved CURVE peers' subscriptions: a handshake needs room), which paces a flooding peer to the coordinator (server.subscriptions)."""
 KV_EVENTS_MAX_MESSAGE_BYTES = 16 * MIB
 """A batch from an engine's KV event publisher, live or replayed."""
 
