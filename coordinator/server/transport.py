@@ -41,7 +41,8 @@ A topic is filed by libzmq at about 44 bytes of memory a byte (server.subscripti
 PUBLISH_UPSTREAM_RCVHWM = 16
 """Messages of one publish-socket connection libzmq takes in before the coordinator has
 read them: a peer sends one subscription (rarely a wake or a scale request) and the rest
-waits on its own side (1 starved CURVE peers' subscriptions: a handshake needs room), which paces a flooding peer to the coordinator (server.subscriptions)."""
+waits on its own side (1 starved CURVE peers' subscriptions: a handshake needs room),
+which paces a flooding peer to the coordinator (server.subscriptions)."""
 KV_EVENTS_MAX_MESSAGE_BYTES = 16 * MIB
 """A batch from an engine's KV event publisher, live or replayed."""
 
