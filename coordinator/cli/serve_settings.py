@@ -71,7 +71,8 @@ class _Setting:
             return _string_list(value, key)
         kind = action.type
         if from_text:
-            assert isinstance(value, str)
+            if not isinstance(value, str):
+                raise ValueError(f"{key}: text expected, got {type(value).__name__}")
             try:
                 converted: object = kind(value) if callable(kind) else value
             except (TypeError, ValueError):

@@ -318,14 +318,17 @@ class CoordinatorCore:
     def bootstrap_register(self, payload: RegisterWorkerPayload, now: float, *,
                            probed: bool = False) -> tuple[Decision, Sequence[Action]]:
         """One registration's decision, and the actions it owes (a state-file write)."""
-        assert self.bootstrap is not None
-        return self.bootstrap.register(payload, now, self._out, probed=probed), self._flush()
+        return self._bootstrap().register(payload, now, self._out, probed=probed), self._flush()
 
     def bootstrap_probe_answered(self, probe: ProbeNeeded, alive: bool,
                                  now: float) -> Sequence[Action]:
-        assert self.bootstrap is not None
-        self.bootstrap.probe_answered(probe, alive, now, self._out)
+        self._bootstrap().probe_answered(probe, alive, now, self._out)
         return self._flush()
+
+    def _bootstrap(self) -> BootstrapHandlers:
+        if self.bootstrap is None:
+            raise RuntimeError("this core serves no KV bootstrap registry (no kv_bootstrap)")
+        return self.bootstrap
 
     def wake_latencies_since(self, cursor: int) -> tuple[list[float], int]:
         """Wake latencies measured after ``cursor``, and the next cursor (a query)."""

@@ -65,7 +65,8 @@ class BootstrapServer:
     def __init__(self, core: CoordinatorCore, host: str, port: int, *,
                  probe_timeout_s: float, clock: Callable[[], float],
                  execute: Callable[[Sequence[Action]], None]) -> None:
-        assert core.bootstrap is not None
+        if core.bootstrap is None:
+            raise ValueError("this core serves no KV bootstrap registry (no kv_bootstrap)")
         self._core = core
         self._handlers: BootstrapHandlers = core.bootstrap
         self.host = host
@@ -101,7 +102,8 @@ class BootstrapServer:
 
     async def run(self) -> None:
         """Serve until cancelled; re-validate the entries a state file brought back."""
-        assert self._sock is not None, "bind() first"
+        if self._sock is None:
+            raise RuntimeError("BootstrapServer.run() before bind()")
         server = HttpServer(self._sock, self.handle, self._handlers.refused)
         await server.start()
         log.info("KV bootstrap registry on %s (vLLM kv_connector_extra_config "
@@ -153,7 +155,8 @@ class BootstrapServer:
             self._execute(actions)
         if isinstance(decision, Conflict):
             return Response(400, {"detail": decision.detail})
-        assert isinstance(decision, Registered), decision
+        if not isinstance(decision, Registered):
+            raise RuntimeError(f"the registry asked for a second probe: {decision!r}")
         return OK
 
     # ---- probes ------------------------------------------------------------------------
